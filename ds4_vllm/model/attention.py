@@ -1,0 +1,202 @@
+"""DeepSeek V4 attention over vLLM's paged state: sliding window, KV compressors, lightning indexer.
+
+Per layer and step, writes come before reads: the step's raw rows and compressor
+inputs are stored first, then every token that closes a window emits its
+compressed row, and only then do queries gather their keys. So a chunk sees its
+own tokens exactly as a single full prefill would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheLayer, Ds4CacheMetadata
+from ds4_vllm.model.layers import RMSNorm, rms_norm
+from ds4_vllm.model.rope import TailRope
+
+NEG_INF = float("-inf")
+
+
+class Compressor(nn.Module):
+    """Gated softmax pooling of ``ratio`` tokens into one row (ratio 4: overlapping lanes a/b).
+
+    The per-token inputs ``[kv | gate + position_bias]`` are cached for the last
+    ``coff * ratio`` tokens; the row for window ``c`` is pooled when token
+    ``ratio * c + ratio - 1`` is processed and stored in the slot of token ``ratio * c``.
+    """
+
+    def __init__(self, hidden: int, width: int, ratio: int, rope: TailRope, eps: float, prefix: str, dtype) -> None:
+        super().__init__()
+        self.width, self.ratio, self.rope = width, ratio, rope
+        self.coff = 2 if ratio == 4 else 1
+        self.kv_proj = nn.Linear(hidden, self.coff * width, bias=False)
+        self.gate_proj = nn.Linear(hidden, self.coff * width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, self.coff * width))
+        self.kv_norm = RMSNorm(width, eps)
+        self.window = self.coff * ratio
+        self.state_cache = Ds4CacheLayer.compressor_inputs(
+            f"{prefix}.state_cache", 2 * self.coff * width, self.window, ratio, dtype
+        )
+        self.kv_cache = Ds4CacheLayer.compressed_rows(f"{prefix}.kv_cache", width, ratio, dtype)
+
+    def update(self, y: torch.Tensor, positions: torch.Tensor, plan: BatchPlan, metadata: dict) -> None:
+        state_meta: Ds4CacheMetadata = metadata[self.state_cache.prefix]
+        kv = self.kv_proj(y)
+        gate = self.gate_proj(y) + self.position_bias[positions % self.ratio]
+        self.state_cache.write(state_meta, plan.token_req, positions, torch.cat([kv, gate], dim=-1))
+
+        closing = ((positions + 1) % self.ratio == 0).nonzero().squeeze(-1)
+        if closing.numel() == 0:
+            return
+        last = positions[closing]
+        req = plan.token_req[closing]
+        offsets = torch.arange(self.window, device=positions.device) - self.window + 1
+        window_pos = last[:, None] + offsets[None, :]
+        rows = self.state_cache.read(state_meta, req[:, None].expand_as(window_pos), window_pos.clamp(min=0))
+        rows = rows.float()
+        d, r = self.width, self.ratio
+        if self.coff == 1:
+            kv_rows, score_rows = rows[..., :d], rows[..., d : 2 * d]
+        else:
+            # Previous window contributes lane a, the current window lane b.
+            kv_rows = torch.cat([rows[:, :r, :d], rows[:, r:, d : 2 * d]], dim=1)
+            score_rows = torch.cat([rows[:, :r, 2 * d : 3 * d], rows[:, r:, 3 * d : 4 * d]], dim=1)
+        score_rows = score_rows.masked_fill((window_pos < 0)[..., None], NEG_INF)
+        kv_rows = kv_rows.masked_fill((window_pos < 0)[..., None], 0.0)
+        pooled = (kv_rows * score_rows.softmax(dim=1)).sum(dim=1).to(y.dtype)
+        first = last + 1 - r
+        compressed = self.rope(self.kv_norm(pooled), first)
+        self.kv_cache.write(metadata[self.kv_cache.prefix], req, first, compressed)
+
+    def rows(self, metadata: dict, request: int, count: int, device) -> torch.Tensor:
+        """Compressed rows 0..count-1 of one request."""
+        starts = torch.arange(count, device=device) * self.ratio
+        req = torch.full_like(starts, request)
+        return self.kv_cache.read(metadata[self.kv_cache.prefix], req, starts)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores compressed rows per query and keeps the top ``index_topk``."""
+
+    def __init__(self, config, rope: TailRope, prefix: str, dtype) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.rope = rope
+        # Same construction as the ratio-4 compressor, narrower rows.
+        self.compressor = Compressor(
+            config.hidden_size, self.head_dim, 4, rope, config.rms_norm_eps, prefix, dtype
+        )
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def select(
+        self, q_res: torch.Tensor, y: torch.Tensor, positions: torch.Tensor, request: int, count: int, metadata: dict
+    ) -> torch.Tensor:
+        """Boolean [queries, count]: which compressed rows each query attends to."""
+        keys = self.compressor.rows(metadata, request, count, y.device).float()
+        q = self.q_b_proj(q_res).view(-1, self.n_heads, self.head_dim)
+        q = self.rope(q, positions).float()
+        scores = F.relu(torch.einsum("thd,cd->thc", q, keys)) * self.head_dim**-0.5
+        weights = self.scorer.weights_proj(y).float() * self.n_heads**-0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
+        visible = torch.arange(count, device=y.device)[None, :] < ((positions + 1) // 4)[:, None]
+        if count <= self.topk:
+            return visible
+        scores = scores.masked_fill(~visible, NEG_INF)
+        top = scores.topk(self.topk, dim=-1).indices
+        chosen = torch.zeros_like(visible)
+        chosen.scatter_(1, top, True)
+        return chosen & visible
+
+
+class Ds4Attention(nn.Module):
+    """Shared-KV MQA with per-head sinks over the raw window plus compressed rows."""
+
+    def __init__(self, config, layer_idx: int, prefix: str, dtype) -> None:
+        super().__init__()
+        hidden, self.n_heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.eps = config.rms_norm_eps
+        self.window = config.sliding_window
+        self.o_groups = config.o_groups
+        self.ratio = config.compress_ratios[layer_idx]
+        rope_dim = config.rope_dim
+        rope_label = "main" if self.ratio == 0 else "compress"
+        self.rope = TailRope(config.rope_parameters[rope_label], rope_dim)
+
+        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, self.eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        in_per_group = self.n_heads * self.head_dim // self.o_groups
+        self.o_a_proj = nn.Linear(in_per_group, self.o_groups * config.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(self.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads))
+
+        self.swa_cache = Ds4CacheLayer.raw_window(f"{prefix}.swa_cache", self.head_dim, self.window, dtype)
+        self.compressor: Compressor | None = None
+        if self.ratio:
+            self.compressor = Compressor(
+                hidden, self.head_dim, self.ratio, self.rope, self.eps, f"{prefix}.compressor", dtype
+            )
+            if self.ratio == 4:
+                self.compressor.indexer = Indexer(config, self.rope, f"{prefix}.compressor.indexer", dtype)
+
+    def forward(self, y: torch.Tensor, positions: torch.Tensor, metadata: dict | None) -> torch.Tensor:
+        n = y.shape[0]
+        q_res = self.q_a_norm(self.q_a_proj(y))
+        q = rms_norm(self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim), self.eps)
+        q = self.rope(q, positions)
+        kv = self.rope(self.kv_norm(self.kv_proj(y)), positions)
+
+        if metadata is None:
+            # Profiling / warm-up run: no cache is bound, no state to read or write.
+            out = torch.zeros_like(q)
+        else:
+            out = self._attend(q, kv, q_res, y, positions, metadata)
+
+        out = self.rope(out, positions, inverse=True)
+        grouped = out.reshape(n, self.o_groups, -1)
+        weight = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])
+        z = torch.einsum("tgi,goi->tgo", grouped, weight).reshape(n, -1)
+        return self.o_b_proj(z)
+
+    def _attend(self, q, kv, q_res, y, positions, metadata: dict) -> torch.Tensor:
+        swa_meta: Ds4CacheMetadata = metadata[self.swa_cache.prefix]
+        plan = swa_meta.plan
+        self.swa_cache.write(swa_meta, plan.token_req, positions, kv)
+        if self.compressor is not None:
+            self.compressor.update(y, positions, plan, metadata)
+            if self.ratio == 4:
+                self.compressor.indexer.compressor.update(y, positions, plan, metadata)
+
+        out = torch.empty_like(q)
+        scale = self.head_dim**-0.5
+        for request, queries, first_pos, seq_len in plan.requests():
+            q_pos = positions[queries]
+            key_start = max(0, first_pos - self.window + 1)
+            key_pos = torch.arange(key_start, seq_len, device=q.device)
+            keys = self.swa_cache.read(swa_meta, torch.full_like(key_pos, request), key_pos)
+            rel = q_pos[:, None] - key_pos[None, :]
+            mask = (rel >= 0) & (rel < self.window)
+            if self.compressor is not None:
+                count = seq_len // self.ratio
+                if count:
+                    keys = torch.cat([keys, self.compressor.rows(metadata, request, count, q.device)], dim=0)
+                    if self.ratio == 4:
+                        comp_mask = self.compressor.indexer.select(
+                            q_res[queries], y[queries], q_pos, request, count, metadata
+                        )
+                    else:
+                        comp_mask = torch.arange(count, device=q.device)[None, :] < ((q_pos + 1) // self.ratio)[:, None]
+                    mask = torch.cat([mask, comp_mask], dim=1)
+            keys = keys.to(q.dtype)
+            logits = torch.einsum("thd,kd->thk", q[queries].float(), keys.float()) * scale
+            logits = logits.masked_fill(~mask[:, None, :], NEG_INF)
+            sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+            probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+            out[queries] = torch.einsum("thk,kd->thd", probs, keys.float()).to(q.dtype)
+        return out

@@ -1,0 +1,183 @@
+"""Paged per-sequence state of DeepSeek V4 inside vLLM's KV cache.
+
+Each role of the state (raw sliding-window rows, compressed rows, indexer rows,
+per-token compressor inputs) is one cache layer that vLLM's hybrid KV cache
+manager allocates and addresses through block tables. Every row sits in a slot
+fixed by its token position, so recomputing a token rewrites the same slot: the
+layout is idempotent under vLLM's recompute of the last prompt token, prefix
+caching, preemption and connector restores.
+
+The cache layers only describe and address memory; the math lives in
+``attention.py``. Reads and writes go through ``kv[block, 0, state]`` indexing
+because vLLM's packed (BLHNC) layout hands out strided per-layer views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImplBase,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec, SlidingWindowMLASpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+# Block sizes (tokens per block) per role. vLLM's own DeepSeek V4 port uses the
+# same numbers: the scheduler block is their lcm (256), so prefix-cache hits land
+# on multiples of 256 tokens.
+RAW_WINDOW_BLOCK = 64
+COMPRESSED_BLOCK = 256
+STATE_BLOCK = {4: 4, 128: 8}
+
+
+@dataclass
+class Ds4CacheMetadata(AttentionMetadata):
+    """One group's addressing for one step (built once per step, shared by the group's layers)."""
+
+    block_table: torch.Tensor  # [num_reqs, width] int32 block ids of this group
+    block_size: int  # the group's final block size (vLLM may rescale the spec's)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] CPU
+    seq_lens: torch.Tensor  # [num_reqs] CPU, tokens including this step's
+    num_reqs: int
+
+    @cached_property
+    def plan(self) -> BatchPlan:
+        return BatchPlan(self.query_start_loc[: self.num_reqs + 1].tolist(), self.seq_lens[: self.num_reqs].tolist())
+
+
+class BatchPlan:
+    """Where each request's tokens of this step sit: queries [q_start, q_end) at positions [pos_start, seq_len)."""
+
+    def __init__(self, query_start_loc: list[int], seq_lens: list[int]) -> None:
+        self.q_start = query_start_loc[:-1]
+        self.q_end = query_start_loc[1:]
+        self.seq_len = seq_lens
+        self.num_tokens = query_start_loc[-1]
+        self.pos_start = [s - (e - b) for s, b, e in zip(seq_lens, self.q_start, self.q_end, strict=True)]
+        counts = torch.tensor([e - b for b, e in zip(self.q_start, self.q_end, strict=True)])
+        self.token_req = torch.repeat_interleave(torch.arange(len(seq_lens)), counts)
+
+    def requests(self):
+        """(request index, query slice, first position, sequence length) per request with tokens this step."""
+        for r, (b, e, p, n) in enumerate(zip(self.q_start, self.q_end, self.pos_start, self.seq_len, strict=True)):
+            if e > b:
+                yield r, slice(b, e), p, n
+
+
+class Ds4CacheBackend(AttentionBackend):
+    """Backend of every DS4 cache layer: pure-torch metadata, any device, BLHNC layout."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar = ["auto", "float16", "bfloat16", "float32"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "DS4_PAGED_STATE"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImplBase]:
+        # Cache layers compute nothing through an impl; vLLM only asks for the class.
+        return AttentionImplBase
+
+    @staticmethod
+    def get_builder_cls() -> type[Ds4CacheMetadataBuilder]:
+        return Ds4CacheMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Block-outermost keeps each role in its own group with the block size chosen here.
+        return (KVCacheLayout.BLHNC,)
+
+
+class Ds4CacheMetadataBuilder(AttentionMetadataBuilder[Ds4CacheMetadata]):
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> Ds4CacheMetadata:
+        cam = common_attn_metadata
+        return Ds4CacheMetadata(
+            block_table=cam.block_table_tensor,
+            block_size=self.block_size,
+            query_start_loc=cam.query_start_loc_cpu,
+            seq_lens=cam.seq_lens.cpu(),
+            num_reqs=cam.num_reqs,
+        )
+
+
+class Ds4CacheLayer(nn.Module, AttentionLayerBase):
+    """One role of the per-sequence state for one model layer.
+
+    ``tokens_per_row`` is 1 for per-token rows (raw window, compressor inputs) and
+    the compression ratio for compressed and indexer rows; row ``c`` of a
+    compressed cache lives in the slot of token ``c * ratio``.
+    """
+
+    def __init__(self, prefix: str, spec: KVCacheSpec, tokens_per_row: int = 1) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.spec = spec
+        self.tokens_per_row = tokens_per_row
+        self.kv_cache = torch.empty(0)
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate DS4 cache layer name {prefix!r}")
+        context[prefix] = self
+
+    @classmethod
+    def raw_window(cls, prefix: str, width: int, window: int, dtype: torch.dtype) -> Ds4CacheLayer:
+        spec = SlidingWindowMLASpec(
+            block_size=RAW_WINDOW_BLOCK, num_kv_heads=1, head_size=width, dtype=dtype, sliding_window=window
+        )
+        return cls(prefix, spec)
+
+    @classmethod
+    def compressed_rows(cls, prefix: str, width: int, ratio: int, dtype: torch.dtype) -> Ds4CacheLayer:
+        spec = MLAAttentionSpec(
+            block_size=COMPRESSED_BLOCK, num_kv_heads=1, head_size=width, dtype=dtype, tokens_per_state=ratio
+        )
+        return cls(prefix, spec, tokens_per_row=ratio)
+
+    @classmethod
+    def compressor_inputs(cls, prefix: str, width: int, window: int, ratio: int, dtype: torch.dtype) -> Ds4CacheLayer:
+        spec = SlidingWindowMLASpec(
+            block_size=STATE_BLOCK[ratio], num_kv_heads=1, head_size=width, dtype=dtype, sliding_window=window
+        )
+        return cls(prefix, spec)
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return Ds4CacheBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return self.spec
+
+    def _slots(self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor):
+        bs = meta.block_size
+        table = meta.block_table
+        blocks = table[req.to(table.device), (token_pos // bs).to(table.device)].long()
+        states = ((token_pos % bs) // self.tokens_per_row).to(blocks.device)
+        return blocks, states
+
+    def write(self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows[i]`` in the slot of token ``token_pos[i]`` of request ``req[i]``."""
+        if rows.shape[0] == 0:
+            return
+        blocks, states = self._slots(meta, req, token_pos)
+        self.kv_cache[blocks, 0, states] = rows.to(self.kv_cache.dtype)
+
+    def read(self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor) -> torch.Tensor:
+        """Rows stored for tokens ``token_pos`` (any shape) of requests ``req`` (same shape)."""
+        blocks, states = self._slots(meta, req, token_pos)
+        return self.kv_cache[blocks, 0, states]

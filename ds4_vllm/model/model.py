@@ -1,0 +1,135 @@
+"""``Ds4ForCausalLM``: DeepSeek V4 (Flash) for vLLM in portable PyTorch.
+
+The residual is a stack of ``hc_mult`` hyper-connection streams per token; every
+decoder layer collapses it for attention and for the MoE FFN and expands it back.
+Per-sequence state lives in vLLM's paged KV cache (see ``cache_layers.py``), so
+vLLM's scheduler batches requests, chunks prefills and reuses prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+
+from ds4_vllm.model.attention import Ds4Attention
+from ds4_vllm.model.layers import HyperConnection, HyperHead, MoE, RMSNorm
+
+
+class Ds4DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, prefix: str, dtype) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, eps)
+        self.self_attn = Ds4Attention(config, layer_idx, f"{prefix}.self_attn", dtype)
+        self.mlp = MoE(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(self, streams, positions, input_ids, metadata) -> torch.Tensor:
+        post, comb, collapsed = self.attn_hc(streams)
+        out = self.self_attn(self.input_layernorm(collapsed), positions, metadata)
+        streams = HyperConnection.expand(streams, out, post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+        return HyperConnection.expand(streams, out, post, comb)
+
+
+class Ds4Model(nn.Module):
+    def __init__(self, config, prefix: str, dtype) -> None:
+        super().__init__()
+        self.hc_mult = config.hc_mult
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Ds4DecoderLayer(config, i, f"{prefix}.layers.{i}", dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, inputs_embeds, metadata) -> torch.Tensor:
+        embeds = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        streams = embeds.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, positions, input_ids, metadata)
+        return self.norm(self.hc_head(streams))
+
+
+class Ds4ForCausalLM(nn.Module):
+    """vLLM model class registered as ``Ds4ForCausalLM`` (see ``ds4_vllm.register``)."""
+
+    # transformers keeps the indexer's compressor weights beside the indexer itself.
+    _INDEXER_COMPRESSOR_PARAMS = ("kv_proj", "gate_proj", "position_bias", "kv_norm")
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        dtype = vllm_config.model_config.dtype
+        model_prefix = f"{prefix}.model" if prefix else "model"
+        self.model = Ds4Model(config, model_prefix, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):  # micro-batched steps are not used by this model
+            metadata = metadata[0] if metadata else None
+        total = positions.shape[0]
+        count = total
+        if metadata:
+            count = next(iter(metadata.values())).plan.num_tokens
+        else:
+            metadata = None
+        ids = input_ids[:count] if input_ids is not None else None
+        embeds = inputs_embeds[:count] if inputs_embeds is not None else None
+        hidden = self.model(ids, positions[:count], embeds, metadata)
+        if count < total:  # vLLM may pad the batch; padded rows carry no request
+            hidden = torch.cat([hidden, hidden.new_zeros(total - count, hidden.shape[-1])])
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (transformers' names) into the model; errors name the tensor."""
+        state = dict(self.named_parameters())
+        state.update(self.named_buffers())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._local_name(name)
+            if target not in state:
+                raise ValueError(f"checkpoint tensor {name!r} does not belong to Ds4ForCausalLM")
+            param = state[target]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded.add(target)
+        missing = sorted(n for n in state if n not in loaded and not n.endswith("inv_freq"))
+        if missing:
+            raise ValueError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        return loaded
+
+    def _local_name(self, name: str) -> str:
+        parts = name.split(".")
+        if "indexer" in parts:
+            i = parts.index("indexer")
+            if i + 1 < len(parts) and parts[i + 1] in self._INDEXER_COMPRESSOR_PARAMS:
+                parts.insert(i + 1, "compressor")
+        return ".".join(parts)
