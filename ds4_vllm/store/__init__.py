@@ -1,0 +1,39 @@
+"""Cache policy on top of `ds4_vllm.kvc`: settings, save points, the checkpoint store, traces.
+
+Pure Python + numpy (+ fsspec for remote URLs); no torch, no vLLM (a test enforces it).
+See docs/connector.md, "Cache policy and flags".
+"""
+
+from .checkpoint_store import CheckpointStore, LoadFailure, LookupOutcome, StoreResult
+from .options import StoreConfigError, StoreOptions, default_disk_dir
+from .policy import (
+    SaveDecision,
+    chat_anchor,
+    cold_store_len,
+    continued_due,
+    finished_save,
+    plan_prefill_saves,
+    store_len,
+)
+from .stats import StoreStats
+from .trace import CacheDecision, TraceWriter
+
+__all__ = [
+    "CacheDecision",
+    "CheckpointStore",
+    "LoadFailure",
+    "LookupOutcome",
+    "SaveDecision",
+    "StoreConfigError",
+    "StoreOptions",
+    "StoreResult",
+    "StoreStats",
+    "TraceWriter",
+    "chat_anchor",
+    "cold_store_len",
+    "continued_due",
+    "default_disk_dir",
+    "finished_save",
+    "plan_prefill_saves",
+    "store_len",
+]

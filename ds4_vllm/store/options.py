@@ -1,0 +1,199 @@
+"""The disk-cache settings: ds4's flag names and defaults, parsed and validated once at start-up.
+
+Every setting has two spellings: the ds4 flag (`--kv-cache-min-tokens`) and the key of vLLM's
+`kv_connector_extra_config` (`kv_cache_min_tokens`). Errors name both, so a user can fix
+whichever one they typed. Bad input stops start-up (`StoreConfigError`); nothing here is
+retried or guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .eviction import DEFAULT_BUDGET_MB, MIB
+
+#: ds4's budget default (DS4_KVSTORE_DEFAULT_MB): 4 GiB holds a few long conversations.
+DEFAULT_DISK_SPACE_MB = DEFAULT_BUDGET_MB
+#: KV_CACHE_DEFAULT_MIN_TOKENS: below this, recomputing is cheaper than a file load.
+DEFAULT_MIN_TOKENS = 512
+#: KV_CACHE_DEFAULT_COLD_MAX_TOKENS: longer first prompts are one-offs (documents), not
+#: conversation prefixes worth a cold file; 0 disables cold saves.
+DEFAULT_COLD_MAX_TOKENS = 30000
+#: KV_CACHE_DEFAULT_CONTINUED_INTERVAL_TOKENS: how much growth is worth a new file (the
+#: effective step is rounded up to the alignment: 10240); 0 disables continued saves.
+DEFAULT_CONTINUED_INTERVAL_TOKENS = 10000
+#: KV_CACHE_DEFAULT_BOUNDARY_TRIM_TOKENS: the tail of a prompt (chat template suffix, last
+#: user words) rarely recurs, so a cold file stops a little before the end.
+DEFAULT_BOUNDARY_TRIM_TOKENS = 32
+#: KV_CACHE_DEFAULT_BOUNDARY_ALIGN_TOKENS: the prefill chunk (2048), so saved lengths fall on
+#: chunk boundaries and compressed rows are complete; 0 disables alignment.
+DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
+#: DS4_TOOL_MEMORY_DEFAULT_MAX_IDS: bound of the tool-call id memory kept in RAM.
+DEFAULT_TOOL_MEMORY_MAX_IDS = 100000
+
+
+class StoreConfigError(ValueError):
+    """A disk-cache setting is invalid; the message names the flag in both spellings."""
+
+
+def flag_names(key: str) -> str:
+    """`--kv-cache-min-tokens / kv_cache_min_tokens`: how every message names a setting."""
+    return f"--{key.replace('_', '-')} / {key}"
+
+
+def default_disk_dir(env: Mapping[str, str] | None = None) -> str:
+    """Per-user cache folder: $XDG_CACHE_HOME/ds4-vllm/kvcache, else ~/.cache/ds4-vllm/kvcache."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ds4-vllm", "kvcache")
+
+
+def is_local_dir(url: str) -> bool:
+    """True for plain paths and `file://` URLs: those use OS calls directly, not fsspec."""
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> Path:
+    return Path(url[len("file://") :] if url.startswith("file://") else url).expanduser()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreOptions:
+    """Validated disk-cache settings. Field names are the extra-config keys without `kv_`/`kv_cache_`.
+
+    Build with `from_extra_config()` (checks everything) or directly in tests, then call
+    `validate()`.
+    """
+
+    disk_dir: str = dataclasses.field(default_factory=default_disk_dir)
+    disk_space_mb: int = DEFAULT_DISK_SPACE_MB
+    min_tokens: int = DEFAULT_MIN_TOKENS
+    cold_max_tokens: int = DEFAULT_COLD_MAX_TOKENS
+    continued_interval_tokens: int = DEFAULT_CONTINUED_INTERVAL_TOKENS
+    boundary_trim_tokens: int = DEFAULT_BOUNDARY_TRIM_TOKENS
+    boundary_align_tokens: int = DEFAULT_BOUNDARY_ALIGN_TOKENS
+    reject_different_quant: bool = False
+    tool_memory_max_ids: int = DEFAULT_TOOL_MEMORY_MAX_IDS
+    trace: str | None = None
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.disk_space_mb * MIB
+
+    @property
+    def continued_step(self) -> int:
+        """ceil(interval / align) * align (10240 by default); 0 when continued saves are off."""
+        interval, align = self.continued_interval_tokens, self.boundary_align_tokens
+        if interval <= 0:
+            return 0
+        return math.ceil(interval / align) * align if align > 0 else interval
+
+    @property
+    def is_local(self) -> bool:
+        return is_local_dir(self.disk_dir)
+
+    def validate(self) -> StoreOptions:
+        """Check value ranges (no I/O; the directory is checked when the store opens)."""
+        for key, spec in _SETTINGS.items():
+            value = getattr(self, spec.field)
+            if not isinstance(value, spec.kind) or (spec.kind is int and isinstance(value, bool)):
+                if not (spec.optional and value is None):
+                    raise StoreConfigError(f"{flag_names(key)}: expected {spec.kind_name}, got {value!r}")
+            if spec.kind is int and value < spec.minimum:
+                raise StoreConfigError(f"{flag_names(key)}: must be >= {spec.minimum}, got {value}")
+        if not self.disk_dir:
+            raise StoreConfigError(f"{flag_names('kv_disk_dir')}: must not be empty")
+        if 0 < self.cold_max_tokens < self.min_tokens:
+            raise StoreConfigError(
+                f"{flag_names('kv_cache_cold_max_tokens')}: {self.cold_max_tokens} is below "
+                f"{flag_names('kv_cache_min_tokens')} ({self.min_tokens}); use 0 to disable cold saves "
+                f"or a value >= {self.min_tokens}"
+            )
+        return self
+
+    @classmethod
+    def from_extra_config(cls, config: Mapping[str, Any], *, other_keys: Iterable[str] = ()) -> StoreOptions:
+        """Parse `kv_connector_extra_config` (keys may also be written as `--kv-disk-dir`).
+
+        Integers may come as ints or decimal strings (CLI flags are strings); booleans as
+        bools or "true"/"false"/"1"/"0". `other_keys` are keys owned by other parts of the
+        connector, passed over silently. Anything else unknown is an error.
+        """
+        values: dict[str, Any] = {}
+        ignored = {_normalize_key(k) for k in other_keys}
+        for raw_key, raw in config.items():
+            key = _normalize_key(str(raw_key))
+            if key in ignored:
+                continue
+            spec = _SETTINGS.get(key)
+            if spec is None:
+                close = difflib.get_close_matches(key, list(_SETTINGS), n=1)
+                hint = f"; did you mean {flag_names(close[0])}?" if close else ""
+                raise StoreConfigError(f"unknown disk-cache setting {raw_key!r}{hint}")
+            values[spec.field] = spec.parse(key, raw)
+        return cls(**values).validate()
+
+    def describe(self) -> str:
+        """The start-up log line's settings, in ds4's order and spelling."""
+        return (
+            f"budget={self.disk_space_mb} MiB, cross-quant={'reject' if self.reject_different_quant else 'accept'}, "
+            f"min={self.min_tokens}, cold_max={self.cold_max_tokens}, continued={self.continued_interval_tokens}, "
+            f"trim={self.boundary_trim_tokens}, align={self.boundary_align_tokens}"
+        )
+
+
+def _normalize_key(key: str) -> str:
+    return key.lstrip("-").replace("-", "_")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Setting:
+    field: str
+    kind: type
+    minimum: int = 0
+    optional: bool = False
+
+    @property
+    def kind_name(self) -> str:
+        return {int: "an integer", bool: "true or false", str: "a path"}[self.kind]
+
+    def parse(self, key: str, raw: Any) -> Any:
+        if raw is None and self.optional:
+            return None
+        if self.kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
+                return raw.lower() in ("true", "1")
+        elif self.kind is int:
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+                return int(raw)
+        elif isinstance(raw, str | os.PathLike):
+            return os.fspath(raw)
+        raise StoreConfigError(f"{flag_names(key)}: expected {self.kind_name}, got {raw!r}")
+
+
+#: extra-config key -> field, type and lower bound (ds4's `parse_options` rules).
+_SETTINGS: dict[str, _Setting] = {
+    "kv_disk_dir": _Setting("disk_dir", str),
+    "kv_disk_space_mb": _Setting("disk_space_mb", int, minimum=1),
+    "kv_cache_min_tokens": _Setting("min_tokens", int, minimum=1),
+    "kv_cache_cold_max_tokens": _Setting("cold_max_tokens", int),
+    "kv_cache_continued_interval_tokens": _Setting("continued_interval_tokens", int),
+    "kv_cache_boundary_trim_tokens": _Setting("boundary_trim_tokens", int),
+    "kv_cache_boundary_align_tokens": _Setting("boundary_align_tokens", int),
+    "kv_cache_reject_different_quant": _Setting("reject_different_quant", bool),
+    "tool_memory_max_ids": _Setting("tool_memory_max_ids", int, minimum=1),
+    "trace": _Setting("trace", str, optional=True),
+}
+
+#: Every key `from_extra_config` accepts.
+SETTING_KEYS = tuple(_SETTINGS)

@@ -1,0 +1,136 @@
+"""When to checkpoint: ds4's save points (spec §5.2) as pure functions of options and token counts.
+
+ds4 has one live session; vLLM runs many requests at once. So instead of a session-wide
+"last stored" counter, every function takes the request's own counts, and the connector
+keeps one `last_stored` per request:
+
+- `plan_prefill_saves` lists, before a request's prefill starts, the token positions where
+  its state must be checkpointed (`cold`, `continued`). The connector ends a prefill chunk
+  at each of them, because a DSV4 state can only be saved at the exact position it holds.
+- `continued_due` is asked before each decode step.
+- `finished_save` decides the `evict` save of a finished request (its full state, prompt +
+  generated, before vLLM's memory may drop it) and the `shutdown` save of a request still
+  in memory when the server stops gracefully.
+
+A request that reused tokens (from vLLM's memory or from disk) gets no cold save, exactly
+as in ds4; its `last_stored` starts at the reused count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ds4_vllm.kvc.constants import SaveReason
+
+from .options import StoreOptions
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class SaveDecision:
+    """Checkpoint the request's state when it holds exactly `tokens` tokens, for `reason`."""
+
+    tokens: int
+    reason: SaveReason
+
+    def __str__(self) -> str:
+        return f"{self.reason.label}@{self.tokens}"
+
+
+def store_len(options: StoreOptions, n: int) -> int:
+    """ds4_kvstore_store_len: trim the tail, round down to the alignment, never below min.
+
+    n <= min + trim, or a result below min, leaves n unchanged (2079 -> 2079, 2080 -> 2048
+    with the defaults).
+    """
+    trim, align, lo = options.boundary_trim_tokens, options.boundary_align_tokens, options.min_tokens
+    if n > lo + trim:
+        s = n - trim
+        if align > 0:
+            s -= s % align
+        if s >= lo:
+            return s
+    return n
+
+
+def chat_anchor(tokens: Sequence[int], user_id: int, assistant_id: int) -> int:
+    """Position of the last `<｜User｜>` before the first `<｜Assistant｜>`, or -1.
+
+    A prefix ending there holds BOS + tools + system + earlier turns, which the next
+    conversation with the same set-up shares.
+    """
+    anchor = -1
+    for pos, tok in enumerate(tokens):
+        if tok == assistant_id:
+            break
+        if tok == user_id:
+            anchor = pos
+    return anchor
+
+
+def cold_store_len(
+    options: StoreOptions, prompt_tokens: Sequence[int], user_token_id: int, assistant_token_id: int
+) -> int | None:
+    """Where a cold prompt (nothing reused) is saved, or None when it gets no cold save.
+
+    Cold saves need min <= len <= cold_max (cold_max 0 = off). The chat anchor wins when it
+    is >= min (not aligned); otherwise `store_len(len)`.
+    """
+    n = len(prompt_tokens)
+    if options.cold_max_tokens <= 0 or not options.min_tokens <= n <= options.cold_max_tokens:
+        return None
+    anchor = chat_anchor(prompt_tokens, user_token_id, assistant_token_id)
+    return anchor if anchor >= options.min_tokens else store_len(options, n)
+
+
+def continued_due(options: StoreOptions, live_tokens: int, last_stored: int) -> bool:
+    """ds4's continued rule: live >= min, live on a step multiple, and past the last store."""
+    step = options.continued_step
+    return (
+        step > 0
+        and live_tokens >= options.min_tokens
+        and live_tokens % step == 0
+        and live_tokens > last_stored
+    )
+
+
+def plan_prefill_saves(
+    options: StoreOptions,
+    prompt_tokens: Sequence[int],
+    cached_tokens: int,
+    user_token_id: int,
+    assistant_token_id: int,
+) -> list[SaveDecision]:
+    """The positions at which a request's prefill must be checkpointed, in order.
+
+    `cached_tokens` is what was reused (vLLM memory or disk); 0 means a cold prompt. Gives
+    the cold point (cached == 0 and min <= len <= cold_max) and every continued step
+    multiple m with cached < m <= len and m >= min. A cold point on a continued multiple is
+    saved once, as cold (ds4 marks that frontier as already stored).
+    """
+    n = len(prompt_tokens)
+    saves: dict[int, SaveReason] = {}
+    step = options.continued_step
+    if step > 0:
+        first = (cached_tokens // step + 1) * step
+        for m in range(first, n + 1, step):
+            if continued_due(options, m, cached_tokens):
+                saves[m] = SaveReason.CONTINUED
+    if cached_tokens == 0:
+        cold = cold_store_len(options, prompt_tokens, user_token_id, assistant_token_id)
+        if cold is not None and cold > 0:
+            saves[cold] = SaveReason.COLD
+    return [SaveDecision(pos, reason) for pos, reason in sorted(saves.items())]
+
+
+def finished_save(
+    options: StoreOptions, total_tokens: int, last_stored: int, *, shutdown: bool = False
+) -> SaveDecision | None:
+    """The `evict` (or `shutdown`) save of a request's whole state, or None.
+
+    ds4 saves the full live sequence, untrimmed, when it holds >= min tokens. We also skip it
+    when a cold or continued save already stored exactly this length for the request.
+    """
+    if total_tokens < options.min_tokens or total_tokens <= last_stored:
+        return None
+    return SaveDecision(total_tokens, SaveReason.SHUTDOWN if shutdown else SaveReason.EVICT)

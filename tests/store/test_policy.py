@@ -1,0 +1,154 @@
+"""ds4's save points (spec §5.2) as table tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4_vllm.kvc import SaveReason
+from ds4_vllm.store.options import StoreOptions
+from ds4_vllm.store.policy import (
+    SaveDecision,
+    chat_anchor,
+    cold_store_len,
+    continued_due,
+    finished_save,
+    plan_prefill_saves,
+    store_len,
+)
+
+D = StoreOptions(disk_dir="/unused")
+U, A = 900, 901  # <｜User｜>, <｜Assistant｜> ids in these tests
+COLD, CONT = SaveReason.COLD, SaveReason.CONTINUED
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (2080, 2048),
+        (4127, 2048),
+        (4128, 4096),
+        (30000, 28672),
+        (512, 512),
+        (1000, 1000),
+        (2079, 2079),
+        (1, 1),
+    ],
+)
+def test_store_len_spec_examples(n: int, expected: int) -> None:
+    assert store_len(D, n) == expected
+
+
+def test_store_len_unchanged_for_every_short_prompt() -> None:
+    assert all(store_len(D, n) == n for n in range(512, 2080))
+
+
+@pytest.mark.parametrize(
+    ("kw", "n", "expected"),
+    [
+        (dict(boundary_align_tokens=0), 2080, 2048),  # trim only
+        (dict(boundary_align_tokens=0, boundary_trim_tokens=0), 2080, 2080),
+        (dict(boundary_trim_tokens=0), 4096, 4096),
+        (dict(min_tokens=3000), 4127, 4127),  # aligned result below min: unchanged
+    ],
+)
+def test_store_len_other_options(kw: dict, n: int, expected: int) -> None:
+    assert store_len(StoreOptions(disk_dir="/x", **kw), n) == expected
+
+
+def test_continued_step_rounds_interval_up_to_alignment() -> None:
+    assert D.continued_step == 10240
+    assert StoreOptions(disk_dir="/x", boundary_align_tokens=0).continued_step == 10000
+    assert StoreOptions(disk_dir="/x", continued_interval_tokens=0).continued_step == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        ([1, U, 5, A, U, A], 1),
+        ([1, U, 5, U, 6, A, U], 3),  # last User before the first Assistant
+        ([1, 2, 3], -1),
+        ([A, U], -1),
+        ([U], 0),
+    ],
+)
+def test_chat_anchor(tokens: list[int], expected: int) -> None:
+    assert chat_anchor(tokens, U, A) == expected
+
+
+def chat_prompt(anchor: int, total: int) -> list[int]:
+    """BOS/system up to `anchor`, then <｜User｜> ... <｜Assistant｜> ..., `total` tokens."""
+    body = [7] * anchor + [U] + [8] * 10 + [A]
+    return body + [9] * (total - len(body))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        (chat_prompt(600, 5000), 600),  # anchor >= min: the anchor, not aligned
+        (chat_prompt(100, 5000), 4096),  # anchor < min: trimmed and aligned
+        ([7] * 2080, 2048),
+        ([7] * 511, None),  # under min
+        ([7] * 30001, None),  # above cold max
+        ([7] * 30000, 28672),
+    ],
+)
+def test_cold_store_len(prompt: list[int], expected: int | None) -> None:
+    assert cold_store_len(D, prompt, U, A) == expected
+
+
+def test_cold_disabled_by_zero_cold_max() -> None:
+    assert cold_store_len(StoreOptions(disk_dir="/x", cold_max_tokens=0), [7] * 5000, U, A) is None
+
+
+@pytest.mark.parametrize(
+    ("live", "last", "due"),
+    [(10240, 0, True), (20480, 10240, True), (10240, 10240, False), (10241, 0, False), (0, 0, False)],
+)
+def test_continued_due(live: int, last: int, due: bool) -> None:
+    assert continued_due(D, live, last) is due
+
+
+def test_continued_respects_min_and_disable() -> None:
+    small = StoreOptions(
+        disk_dir="/x", continued_interval_tokens=100, boundary_align_tokens=0, min_tokens=250
+    )
+    assert not continued_due(small, 200, 0)
+    assert continued_due(small, 300, 0)
+    assert not continued_due(StoreOptions(disk_dir="/x", continued_interval_tokens=0), 10240, 0)
+
+
+@pytest.mark.parametrize(
+    ("n", "cached", "expected"),
+    [
+        (400, 0, []),  # under min: nothing
+        (5000, 0, [(4096, COLD)]),
+        (25000, 0, [(10240, CONT), (20480, CONT), (24576, COLD)]),
+        (25000, 4096, [(10240, CONT), (20480, CONT)]),  # reuse: no cold save
+        (25000, 10240, [(20480, CONT)]),  # continued only beyond what was reused
+        (40000, 0, [(10240, CONT), (20480, CONT), (30720, CONT)]),  # above cold max
+        (10240, 0, [(8192, COLD), (10240, CONT)]),  # a prompt ending on a step is saved after prefill
+        (10272, 0, [(10240, COLD)]),  # cold point on a continued frontier: saved once, as cold
+    ],
+)
+def test_plan_prefill_saves(n: int, cached: int, expected: list[tuple[int, SaveReason]]) -> None:
+    plan = plan_prefill_saves(D, [7] * n, cached, U, A)
+    assert plan == [SaveDecision(t, r) for t, r in expected]
+
+
+def test_plan_prefill_saves_uses_chat_anchor() -> None:
+    plan = plan_prefill_saves(D, chat_prompt(1500, 12000), 0, U, A)
+    assert plan == [SaveDecision(1500, COLD), SaveDecision(10240, CONT)]
+    assert str(plan[0]) == "cold@1500"
+
+
+@pytest.mark.parametrize(
+    ("total", "last", "shutdown", "expected"),
+    [
+        (5000, 0, False, SaveDecision(5000, SaveReason.EVICT)),
+        (5000, 4096, True, SaveDecision(5000, SaveReason.SHUTDOWN)),
+        (5000, 5000, False, None),  # already stored at this length
+        (511, 0, False, None),  # under min
+    ],
+)
+def test_finished_save(total: int, last: int, shutdown: bool, expected: SaveDecision | None) -> None:
+    assert finished_save(D, total, last, shutdown=shutdown) == expected
