@@ -8,7 +8,8 @@ vLLM's scheduler batches requests, chunks prefills and reuses prefixes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,6 +60,35 @@ class Ds4Model(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
+@dataclass
+class StepHidden:
+    """This step's final hidden states, left on the forward context for the ds4disk connector.
+
+    A checkpoint stores the next-token logits after its last token; the connector computes
+    them from these rows, for save points inside a prefill chunk as well as at its end.
+    """
+
+    hidden: torch.Tensor  # [tokens, hidden]
+    positions: torch.Tensor  # [tokens]
+    metadata: dict  # cache layer name -> Ds4CacheMetadata
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]
+
+    def logits_at(self, cache_name: str, block_ids: list[int], position: int) -> torch.Tensor | None:
+        """float32 logits after the token at ``position`` of the request owning ``block_ids``, if it ran."""
+        meta = self.metadata.get(cache_name)
+        if meta is None:
+            return None
+        index = position // meta.block_size
+        if index >= len(block_ids):
+            return None
+        plan = meta.plan
+        for r, queries, first, seq_len in plan.requests():
+            if first <= position < seq_len and int(meta.block_table[r, index]) == block_ids[index]:
+                row = self.hidden[queries.start + position - first]
+                return self.compute_logits(row[None])[0].float()
+        return None
+
+
 class Ds4ForCausalLM(nn.Module):
     """vLLM model class registered as ``Ds4ForCausalLM`` (see ``ds4_vllm.register``)."""
 
@@ -97,6 +127,8 @@ class Ds4ForCausalLM(nn.Module):
         ids = input_ids[:count] if input_ids is not None else None
         embeds = inputs_embeds[:count] if inputs_embeds is not None else None
         hidden = self.model(ids, positions[:count], embeds, metadata)
+        if metadata is not None:
+            get_forward_context().ds4_step = StepHidden(hidden, positions[:count], metadata, self.compute_logits)
         if count < total:  # vLLM may pad the batch; padded rows carry no request
             hidden = torch.cat([hidden, hidden.new_zeros(total - count, hidden.shape[-1])])
         return hidden

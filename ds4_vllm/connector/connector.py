@@ -1,0 +1,138 @@
+"""``ds4disk``: vLLM KV connector keeping DeepSeek V4 state as KVC checkpoint files on disk.
+
+A facade: the constructor translates vLLM's config once and builds the half for
+its role; every hook delegates. Scheduler side (engine core):
+``get_num_new_matched_tokens`` (disk lookup, may repeat), ``update_state_after_alloc``,
+``build_connector_meta`` (load and save jobs), ``request_finished_all_groups``
+(save a finished conversation, holding its blocks). Worker side:
+``register_kv_caches``, ``start_load_kv`` (loads, finished-request saves),
+``wait_for_save`` (in-step saves), ``get_finished``, ``get_block_ids_with_load_errors``.
+DS4's cache layers never call the per-layer save/load hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from ds4_vllm.connector.metadata import Ds4DiskMetadata
+from ds4_vllm.model.kv_layout import Ds4KVLayout
+from ds4_vllm.store import StoreOptions
+
+logger = logging.getLogger(__name__)
+
+
+def _log_through_vllm() -> None:
+    """Send ds4_vllm's log lines (kv cache hit/stored/evicted...) to vLLM's handlers and format."""
+    ours, theirs = logging.getLogger("ds4_vllm"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+_log_through_vllm()
+
+
+def store_options(vllm_config: VllmConfig) -> StoreOptions:
+    """The ds4 cache flags from ``kv_connector_extra_config``; errors name the flag."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    return StoreOptions.from_extra_config(extra)
+
+
+def kv_layout(vllm_config: VllmConfig, kv_cache_config) -> Ds4KVLayout:
+    groups: dict[str, tuple[int, int]] = {}
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        for name in group.layer_names:
+            groups[name] = (index, group.kv_cache_spec.block_size)
+
+    def role_of(name: str) -> tuple[int, int]:
+        if name not in groups:
+            raise ValueError(f"ds4disk: KV cache layer {name!r} not found; is the model Ds4ForCausalLM?")
+        return groups[name]
+
+    return Ds4KVLayout(vllm_config.model_config.hf_config, role_of)
+
+
+class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        options = store_options(vllm_config)
+        layout = kv_layout(vllm_config, kv_cache_config)
+        self.scheduler = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from ds4_vllm.connector.scheduler import Ds4DiskScheduler
+
+            # A checkpoint that fails to load must mean "recompute", never a failed request.
+            vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+            self.scheduler = Ds4DiskScheduler(vllm_config, options, layout.dims)
+        else:
+            from ds4_vllm.connector.worker import Ds4DiskWorker
+
+            quant_bits = int(getattr(vllm_config.model_config.hf_config, "routed_expert_quant_bits", 4))
+            self.worker = Ds4DiskWorker(options, layout, vllm_config.model_config.max_model_len, quant_bits)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        # A checkpoint restores every group (raw window, compressed rows, frontiers).
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata if isinstance(self._connector_metadata, Ds4DiskMetadata) else None
+        self.worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

@@ -1,0 +1,60 @@
+"""Token ids -> the exact bytes they stand for: the text that names a checkpoint.
+
+ds4 keys checkpoints on the byte-exact concatenation of its tokens' bytes
+(``ds4_token_text``): a vocabulary string holding U+FF5C (the DS4 specials such
+as ``<｜User｜>``) is emitted verbatim as UTF-8; every other string goes through
+the GPT-2 byte-level reverse map, dropping code points that map to no byte. A
+prefix may therefore end in the middle of a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+FULLWIDTH_BAR = "\uff5c"
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's printable byte encoding (bytes 33-126, 161-172, 174-255 map to themselves)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    mapping = {chr(b): b for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in mapping.values():
+            mapping[chr(256 + shift)] = b
+            shift += 1
+    return mapping
+
+
+class TokenText:
+    """Byte strings of a byte-level BPE vocabulary, indexed by token id."""
+
+    def __init__(self, pieces: list[bytes], special: dict[str, int]) -> None:
+        self.pieces = pieces
+        self.special = special
+
+    @classmethod
+    def from_tokenizer_dir(cls, path: str | Path) -> TokenText:
+        data = json.loads((Path(path) / "tokenizer.json").read_text(encoding="utf-8"))
+        strings: dict[int, str] = {i: s for s, i in data["model"]["vocab"].items()}
+        special: dict[str, int] = {}
+        for added in data.get("added_tokens", []):
+            strings[added["id"]] = added["content"]
+            special[added["content"]] = added["id"]
+        to_byte = _gpt2_unicode_to_byte()
+        pieces = [b""] * (max(strings) + 1)
+        for i, s in strings.items():
+            if FULLWIDTH_BAR in s:
+                pieces[i] = s.encode("utf-8")
+            else:
+                pieces[i] = bytes(to_byte[c] for c in s if c in to_byte)
+        return cls(pieces, special)
+
+    def text(self, token_ids: Sequence[int]) -> bytes:
+        pieces = self.pieces
+        return b"".join(pieces[t] if 0 <= t < len(pieces) else b"" for t in token_ids)
+
+    def token_id(self, content: str) -> int | None:
+        return self.special.get(content)

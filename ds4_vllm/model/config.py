@@ -1,0 +1,168 @@
+"""`Ds4Config`: transformers' DeepseekV4Config under our own `model_type`.
+
+Why a subclass with `model_type = "ds4"`: vLLM special-cases `model_type == "deepseek_v4"`
+(CPU platform forces block size 256, turns on MLA and, without AMX, turns chunked prefill and
+prefix caching off; it also picks its own config class and tokenizer mode). A distinct model type
+keeps all of that away from our pure-PyTorch model while every field keeps its upstream meaning.
+
+The class also checks that a config describes a model ds4's graph can run (`check_ds4_layout`);
+it raises `ValueError` naming the offending field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import DeepseekV4Config
+
+DS4_MODEL_TYPE = "ds4"
+DS4_ARCHITECTURE = "Ds4ForCausalLM"
+
+# ds4's layer types by compression ratio (`ds4_layer_compress_ratio`).
+RATIO_TO_LAYER_TYPE: dict[int, str] = {
+    0: "sliding_attention",
+    4: "compressed_sparse_attention",
+    128: "heavily_compressed_attention",
+}
+DS4_COMPRESS_RATES: dict[str, int] = {
+    "compressed_sparse_attention": 4,
+    "heavily_compressed_attention": 128,
+}
+
+
+def ds4_compress_ratio(layer: int) -> int:
+    """ds4's fixed schedule: layers 0,1 → 0 (window only); even ≥ 2 → 4; odd ≥ 3 → 128."""
+    if layer < 2:
+        return 0
+    return 4 if layer % 2 == 0 else 128
+
+
+def ds4_layer_types(num_layers: int) -> list[str]:
+    return [RATIO_TO_LAYER_TYPE[ds4_compress_ratio(i)] for i in range(num_layers)]
+
+
+class Ds4Config(DeepseekV4Config):
+    """DeepSeek V4 (Flash) config as ds4 runs it; see the module docstring."""
+
+    model_type = DS4_MODEL_TYPE
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        # Upstream's default schedule is V4-Pro's (ratio 128 first). Use ds4's (Flash) rule when
+        # neither `layer_types` nor the legacy `compress_ratios` is given.
+        if self.layer_types is None and kwargs.get("compress_ratios") is None:
+            self.layer_types = ds4_layer_types(self.num_hidden_layers)
+        super().__post_init__(**kwargs)
+        # vLLM reads rope parameters keyed by layer type, or else one flat dict with a top-level
+        # "rope_type"; V4 keys them by rope label ("main"/"compress"). A top-level "default"
+        # makes vLLM's context-length check treat them as unscaled; transformers only reads
+        # the nested dicts.
+        if isinstance(self.rope_parameters, dict):
+            self.rope_parameters.setdefault("rope_type", "default")
+        self.check_ds4_layout()
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotary dims per head: the last `rope_dim` of each head (and of each indexer head)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def compress_ratios(self) -> list[int]:
+        """Per-layer compression ratio (0, 4 or 128), derived from `layer_types`."""
+        rates = {"sliding_attention": 0, **self.compress_rates}
+        return [int(rates[t]) for t in self.layer_types]
+
+    def check_ds4_layout(self) -> None:
+        """Raise ValueError (naming the field) when ds4's graph cannot run this config."""
+
+        def need(ok: bool, field: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"Ds4Config.{field}: {why}")
+
+        n = self.num_hidden_layers
+        need(n >= 1, "num_hidden_layers", f"must be ≥ 1, got {n}")
+        need(
+            dict(self.compress_rates) == DS4_COMPRESS_RATES,
+            "compress_rates",
+            f"must be {DS4_COMPRESS_RATES}, got {self.compress_rates}",
+        )
+        want = ds4_layer_types(n)
+        need(len(self.layer_types) == n, "layer_types", f"needs {n} entries, got {len(self.layer_types)}")
+        for i, (got, exp) in enumerate(zip(self.layer_types, want, strict=True)):
+            need(
+                got == exp,
+                "layer_types",
+                f"layer {i} must be {exp!r} (ds4 rule: layers 0,1 ratio 0, even ≥2 ratio 4, "
+                f"odd ≥3 ratio 128), got {got!r}",
+            )
+        mlp = list(self.mlp_layer_types)
+        n_hash = mlp.count("hash_moe")
+        need(
+            mlp == ["hash_moe"] * n_hash + ["moe"] * (n - n_hash),
+            "mlp_layer_types",
+            f"hash_moe layers must come first, then moe; got {mlp}",
+        )
+        need(self.num_key_value_heads == 1, "num_key_value_heads", f"must be 1, got {self.num_key_value_heads}")
+        need(self.hc_mult >= 1, "hc_mult", f"must be ≥ 1, got {self.hc_mult}")
+        need(self.hc_sinkhorn_iters >= 1, "hc_sinkhorn_iters", f"must be ≥ 1, got {self.hc_sinkhorn_iters}")
+        need(self.o_groups >= 1, "o_groups", f"must be ≥ 1, got {self.o_groups}")
+        need(
+            self.num_attention_heads % self.o_groups == 0,
+            "num_attention_heads",
+            f"{self.num_attention_heads} is not divisible by o_groups={self.o_groups}",
+        )
+        rope = self.rope_dim
+        need(
+            rope > 0 and rope % 2 == 0,
+            "partial_rotary_factor",
+            f"rope dim head_dim·partial_rotary_factor = {rope} must be even and > 0",
+        )
+        need(rope <= self.head_dim, "partial_rotary_factor", f"rope dim {rope} exceeds head_dim={self.head_dim}")
+        need(
+            rope <= self.index_head_dim,
+            "index_head_dim",
+            f"{self.index_head_dim} is smaller than the rope dim {rope}",
+        )
+        need(self.scoring_func == "sqrtsoftplus", "scoring_func", f"must be 'sqrtsoftplus', got {self.scoring_func!r}")
+        need(self.hidden_act == "silu", "hidden_act", f"must be 'silu', got {self.hidden_act!r}")
+        need(self.n_shared_experts == 1, "n_shared_experts", f"must be 1, got {self.n_shared_experts}")
+        need(
+            1 <= self.num_experts_per_tok <= self.n_routed_experts,
+            "num_experts_per_tok",
+            f"must be in 1..n_routed_experts={self.n_routed_experts}, got {self.num_experts_per_tok}",
+        )
+        for field in ("q_lora_rank", "o_lora_rank", "sliding_window", "index_n_heads", "index_topk",
+                      "moe_intermediate_size"):
+            need(getattr(self, field) > 0, field, f"must be > 0, got {getattr(self, field)}")
+
+    @classmethod
+    def from_config_dict(cls, config_dict: dict[str, Any]) -> Ds4Config:
+        """Build from a config.json dict of any DeepSeek V4 flavour (e.g. `model_type: deepseek_v4`).
+
+        Keys that belong to the other class (its model type, the writer's version, vision-tower
+        extras of vLLM's V4 config) are dropped; legacy V4 keys (`compress_ratios`,
+        `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`) are understood as upstream does.
+        """
+        data = {
+            k: v
+            for k, v in config_dict.items()
+            if k not in ("model_type", "transformers_version") and not k.startswith(("vision_", "mm_"))
+        }
+        if "rope_scaling" in data and not data.get("rope_parameters"):
+            data["rope_parameters"] = data.pop("rope_scaling")
+        return cls(**data)
+
+
+def register_auto_config() -> None:
+    """Let transformers' Auto classes (AutoConfig, AutoTokenizer) read `model_type: ds4` dirs."""
+    from transformers import AutoConfig
+
+    AutoConfig.register(DS4_MODEL_TYPE, Ds4Config, exist_ok=True)
+
+
+def to_transformers_config(config: Ds4Config) -> DeepseekV4Config:
+    """The same model as transformers' DeepseekV4Config (for the reference implementation)."""
+    data = config.to_dict()
+    for key in ("model_type", "transformers_version", "qk_rope_head_dim"):
+        data.pop(key, None)
+    data["architectures"] = ["DeepseekV4ForCausalLM"]
+    return DeepseekV4Config(**data)

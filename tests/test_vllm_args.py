@@ -1,0 +1,142 @@
+"""The `vllm serve` argv rewrites (pure functions, no vLLM import)."""
+
+import json
+import os
+
+import pytest
+
+from ds4_vllm.cli.vllm_args import (
+    ArgvError,
+    mentions_default_model,
+    rewrite_kv_connector_args,
+    rewrite_model_arg,
+    rewrite_serve_argv,
+)
+
+MODEL_DIR = "/cache/ds4-tiny"
+
+
+def _kv_config(argv: list[str]) -> dict:
+    idx = argv.index("--kv-transfer-config")
+    return json.loads(argv[idx + 1])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["serve", "--model", "ds4", "--port", "8000"],
+         ["serve", "--model", MODEL_DIR, "--port", "8000", "--served-model-name", "ds4"]),
+        (["serve", "--model=ds4"], ["serve", f"--model={MODEL_DIR}", "--served-model-name", "ds4"]),
+        (["serve", "ds4", "--host", "127.0.0.1"],
+         ["serve", MODEL_DIR, "--host", "127.0.0.1", "--served-model-name", "ds4"]),
+        (["serve", "--host", "127.0.0.1", "--model", "ds4", "--served-model-name", "x"],
+         ["serve", "--host", "127.0.0.1", "--model", MODEL_DIR, "--served-model-name", "x"]),
+    ],
+)
+def test_default_model_is_resolved(argv: list[str], expected: list[str]) -> None:
+    assert mentions_default_model(argv)
+    assert rewrite_model_arg(argv, MODEL_DIR) == expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--model", "/models/ds4"],
+        ["serve", "./ds4"],
+        ["serve", "deepseek-ai/DeepSeek-V4-Flash"],
+        ["bench", "--model", "ds4"],
+        ["serve", "--port", "8000"],
+        [],
+    ],
+)
+def test_other_models_untouched(argv: list[str]) -> None:
+    assert not mentions_default_model(argv)
+    assert rewrite_model_arg(argv, MODEL_DIR) == argv
+
+
+def test_model_flag_without_value() -> None:
+    with pytest.raises(ArgvError, match="--model needs a value"):
+        mentions_default_model(["serve", "--model"])
+
+
+def test_rewrite_is_idempotent() -> None:
+    once = rewrite_serve_argv(["serve", "--model", "ds4", "--kv-disk-dir", "/tmp/kv"], lambda: MODEL_DIR)
+    assert rewrite_serve_argv(once, lambda: MODEL_DIR) == once
+
+
+def test_model_dir_only_materialized_when_needed() -> None:
+    def boom() -> str:
+        raise AssertionError("should not be called")
+
+    assert rewrite_serve_argv(["serve", "/models/x"], boom) == ["serve", "/models/x"]
+    assert rewrite_serve_argv(["chat"], boom) == ["chat"]
+
+
+def test_kv_connector_with_all_flags() -> None:
+    argv = [
+        "serve", "m", "--kv-connector", "ds4disk", "--kv-disk-dir", "/tmp/kv", "--kv-disk-space-mb=2048",
+        "--kv-cache-min-tokens", "512", "--kv-cache-cold-max-tokens", "30000",
+        "--kv-cache-continued-interval-tokens", "10000", "--kv-cache-boundary-trim-tokens", "32",
+        "--kv-cache-boundary-align-tokens", "2048", "--kv-cache-reject-different-quant",
+        "--tool-memory-max-ids", "100000", "--trace", "/tmp/trace.txt", "--port", "8001",
+    ]
+    out = rewrite_kv_connector_args(argv)
+    assert out[:2] == ["serve", "m"]
+    assert "--port" in out and out[out.index("--port") + 1] == "8001"
+    assert not any(a.startswith(("--kv-disk", "--kv-cache-", "--trace", "--tool-memory", "--kv-connector"))
+                   for a in out)
+    assert _kv_config(out) == {
+        "kv_connector": "ds4disk",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "kv_disk_dir": "/tmp/kv",
+            "kv_disk_space_mb": 2048,
+            "kv_cache_min_tokens": 512,
+            "kv_cache_cold_max_tokens": 30000,
+            "kv_cache_continued_interval_tokens": 10000,
+            "kv_cache_boundary_trim_tokens": 32,
+            "kv_cache_boundary_align_tokens": 2048,
+            "kv_cache_reject_different_quant": True,
+            "tool_memory_max_ids": 100000,
+            "trace": "/tmp/trace.txt",
+        },
+    }
+
+
+def test_connector_name_alone_and_relative_path() -> None:
+    out = rewrite_kv_connector_args(["serve", "m", "--kv-connector=other"])
+    assert _kv_config(out) == {"kv_connector": "other", "kv_role": "kv_both", "kv_connector_extra_config": {}}
+    out = rewrite_kv_connector_args(["serve", "m", "--kv-disk-dir", "kvdir"])
+    cfg = _kv_config(out)
+    assert cfg["kv_connector"] == "ds4disk"  # cache flags imply the ds4 disk connector
+    assert cfg["kv_connector_extra_config"]["kv_disk_dir"] == os.path.abspath("kvdir")
+
+
+def test_bool_flag_explicit_false() -> None:
+    out = rewrite_kv_connector_args(["serve", "m", "--kv-cache-reject-different-quant=false"])
+    assert _kv_config(out)["kv_connector_extra_config"] == {"kv_cache_reject_different_quant": False}
+
+
+def test_no_kv_flags_unchanged() -> None:
+    argv = ["serve", "m", "--kv-transfer-config", '{"kv_connector": "x"}']
+    assert rewrite_kv_connector_args(argv) == argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "m", "--kv-disk-dir"], "--kv-disk-dir needs a path"),
+        (["serve", "m", "--kv-disk-dir", "--port", "1"], "--kv-disk-dir needs a path"),
+        (["serve", "m", "--trace"], "--trace needs a path"),
+        (["serve", "m", "--kv-disk-space-mb", "lots"], "--kv-disk-space-mb needs a whole number"),
+        (["serve", "m", "--kv-cache-min-tokens=-1"], "must be ≥ 0"),
+        (["serve", "m", "--kv-cache-reject-different-quant=maybe"], "true/false"),
+        (["serve", "m", "--kv-connector"], "--kv-connector needs"),
+        (["serve", "m", "--kv-connector="], "--kv-connector needs a connector name"),
+        (["serve", "m", "--kv-disk-dir", "/x", "--kv-transfer-config", "{}"], "cannot be combined"),
+        (["serve", "m", "--kv-connector", "a", "--kv-transfer-config.kv_role", "kv_both"], "cannot be combined"),
+    ],
+)
+def test_errors_are_clear(argv: list[str], message: str) -> None:
+    with pytest.raises(ArgvError, match=message):
+        rewrite_kv_connector_args(argv)
