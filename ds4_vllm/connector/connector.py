@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ds4_vllm.connector.metadata import Ds4DiskMetadata
+from ds4_vllm.connector.metrics import Ds4DiskPromMetrics, Ds4DiskStats, StatsDelta
 from ds4_vllm.model.kv_layout import Ds4KVLayout
 from ds4_vllm.store import StoreOptions
 
@@ -71,6 +72,7 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
         layout = kv_layout(vllm_config, kv_cache_config)
         self.scheduler = None
         self.worker = None
+        self.stats_delta = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             from ds4_vllm.connector.scheduler import Ds4DiskScheduler
 
@@ -130,6 +132,21 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
+
+    # ------------------------------------------------------------------ metrics (both sides)
+
+    def get_kv_connector_stats(self) -> Ds4DiskStats | None:
+        half = self.scheduler if self.scheduler is not None else self.worker
+        delta = self.stats_delta.take(half.store.stats)
+        return Ds4DiskStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Ds4DiskStats:
+        return Ds4DiskStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> Ds4DiskPromMetrics:
+        return Ds4DiskPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

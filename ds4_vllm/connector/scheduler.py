@@ -154,7 +154,9 @@ class Ds4DiskScheduler:
         if state is None or state.traced:
             return
         prompt = state.request.prompt_token_ids or []
-        state.planned = plan_prefill_saves(self.options, prompt, cached_tokens, self.user_id, self.assistant_id)
+        state.planned = plan_prefill_saves(
+            self.options, prompt, cached_tokens, self.user_id, self.assistant_id
+        )
         if not state.decision:
             state.decision = CacheDecision(len(prompt), self.lookups.get(req_id, (0, None))[0])
         state.decision = _with(
@@ -193,7 +195,9 @@ class Ds4DiskScheduler:
 
     def _save_job(self, req_id: str, state: RequestState, point: SaveDecision, block_ids, **kw) -> SaveJob:
         tokens = list(state.request.all_token_ids[: point.tokens])
-        return SaveJob(req_id, point.tokens, int(point.reason), self.token_text.text(tokens), tokens, block_ids, **kw)
+        return SaveJob(
+            req_id, point.tokens, int(point.reason), self.token_text.text(tokens), tokens, block_ids, **kw
+        )
 
     def _block_ids(self, req_id: str):
         return tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
@@ -214,7 +218,9 @@ class Ds4DiskScheduler:
         decision = finished_save(self.options, request.num_computed_tokens, state.last_stored)
         if decision is None:
             return False, None
-        job = self._save_job(req_id, state, decision, tuple(list(ids) for ids in block_ids), after_finish=True)
+        job = self._save_job(
+            req_id, state, decision, tuple(list(ids) for ids in block_ids), after_finish=True
+        )
         self.finished_saves.append(job)
         return True, None
 

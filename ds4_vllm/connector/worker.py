@@ -46,7 +46,9 @@ class Ds4DiskWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [name for name in self.layout.cache_names() if name not in kv_caches]
         if missing:
-            raise ValueError(f"ds4disk: the model has no KV cache layer {missing[0]!r}; is it Ds4ForCausalLM?")
+            raise ValueError(
+                f"ds4disk: the model has no KV cache layer {missing[0]!r}; is it Ds4ForCausalLM?"
+            )
         self.caches = kv_caches
 
     # ------------------------------------------------------------------ before the forward
@@ -73,7 +75,9 @@ class Ds4DiskWorker:
         except Exception as exc:  # any failure means: recompute these tokens
             logger.warning("kv cache load failed file=%s tokens=%d: %s", job.path, job.n_tokens, exc)
             self.load_errors.update(_blocks_at_or_after(job, self.layout))
+            self.store.record_load(time.perf_counter() - started, failed=True)
             return
+        self.store.record_load(time.perf_counter() - started)
         logger.info(
             "kv cache loaded tokens=%d file=%s load=%.1f ms",
             job.n_tokens,
@@ -99,7 +103,9 @@ class Ds4DiskWorker:
         group = self.layout.layers[0].raw.group
         logits = None if step is None else step.logits_at(raw_name, job.block_ids[group], job.n_tokens - 1)
         if logits is None:
-            logger.info("kv cache skipped tokens=%d reason=%s: no logits for the last token", job.n_tokens, reason)
+            logger.info(
+                "kv cache skipped tokens=%d reason=%s: no logits for the last token", job.n_tokens, reason
+            )
             return
         try:
             layers = self.layout.extract(self.caches, job.block_ids, job.n_tokens)
@@ -128,7 +134,10 @@ class Ds4DiskWorker:
     def _write(self, job: SaveJob, logits: np.ndarray, layers) -> None:
         n_comp, n_index = self.layout.counts(job.n_tokens)
         header = KvcHeader.new(
-            quant_bits=self.quant_bits, reason=SaveReason(job.reason), tokens=job.n_tokens, ctx_size=self.ctx_size
+            quant_bits=self.quant_bits,
+            reason=SaveReason(job.reason),
+            tokens=job.n_tokens,
+            ctx_size=self.ctx_size,
         )
         payload = PayloadData(
             header=PayloadHeader.build(self.layout.dims, ctx_size=self.ctx_size, n_tokens=job.n_tokens),

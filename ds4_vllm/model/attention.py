@@ -17,6 +17,7 @@ from ds4_vllm.model.layers import RMSNorm, rms_norm
 from ds4_vllm.model.rope import TailRope
 
 NEG_INF = float("-inf")
+QUERY_BLOCK = 512  # queries attended together; bounds memory for long prefills
 
 
 class Compressor(nn.Module):
@@ -27,7 +28,9 @@ class Compressor(nn.Module):
     ``ratio * c + ratio - 1`` is processed and stored in the slot of token ``ratio * c``.
     """
 
-    def __init__(self, hidden: int, width: int, ratio: int, rope: TailRope, eps: float, prefix: str, dtype) -> None:
+    def __init__(
+        self, hidden: int, width: int, ratio: int, rope: TailRope, eps: float, prefix: str, dtype
+    ) -> None:
         super().__init__()
         self.width, self.ratio, self.rope = width, ratio, rope
         self.coff = 2 if ratio == 4 else 1
@@ -82,7 +85,11 @@ class Indexer(nn.Module):
 
     def __init__(self, config, rope: TailRope, prefix: str, dtype) -> None:
         super().__init__()
-        self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.n_heads, self.head_dim, self.topk = (
+            config.index_n_heads,
+            config.index_head_dim,
+            config.index_topk,
+        )
         self.rope = rope
         # Same construction as the ratio-4 compressor, narrower rows.
         self.compressor = Compressor(
@@ -93,7 +100,13 @@ class Indexer(nn.Module):
         self.scorer.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
 
     def select(
-        self, q_res: torch.Tensor, y: torch.Tensor, positions: torch.Tensor, request: int, count: int, metadata: dict
+        self,
+        q_res: torch.Tensor,
+        y: torch.Tensor,
+        positions: torch.Tensor,
+        request: int,
+        count: int,
+        metadata: dict,
     ) -> torch.Tensor:
         """Boolean [queries, count]: which compressed rows each query attends to."""
         keys = self.compressor.rows(metadata, request, count, y.device).float()
@@ -106,7 +119,9 @@ class Indexer(nn.Module):
         if count <= self.topk:
             return visible
         scores = scores.masked_fill(~visible, NEG_INF)
-        top = scores.topk(self.topk, dim=-1).indices
+        # A stable sort breaks ties towards earlier rows, so the choice does not depend on how
+        # vLLM chunks the prefill (torch.topk's tie order depends on the tensor's shape).
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.topk]
         chosen = torch.zeros_like(visible)
         chosen.scatter_(1, top, True)
         return chosen & visible
@@ -174,29 +189,48 @@ class Ds4Attention(nn.Module):
                 self.compressor.indexer.compressor.update(y, positions, plan, metadata)
 
         out = torch.empty_like(q)
-        scale = self.head_dim**-0.5
-        for request, queries, first_pos, seq_len in plan.requests():
-            q_pos = positions[queries]
-            key_start = max(0, first_pos - self.window + 1)
-            key_pos = torch.arange(key_start, seq_len, device=q.device)
-            keys = self.swa_cache.read(swa_meta, torch.full_like(key_pos, request), key_pos)
-            rel = q_pos[:, None] - key_pos[None, :]
-            mask = (rel >= 0) & (rel < self.window)
-            if self.compressor is not None:
-                count = seq_len // self.ratio
-                if count:
-                    keys = torch.cat([keys, self.compressor.rows(metadata, request, count, q.device)], dim=0)
-                    if self.ratio == 4:
-                        comp_mask = self.compressor.indexer.select(
-                            q_res[queries], y[queries], q_pos, request, count, metadata
-                        )
-                    else:
-                        comp_mask = torch.arange(count, device=q.device)[None, :] < ((q_pos + 1) // self.ratio)[:, None]
-                    mask = torch.cat([mask, comp_mask], dim=1)
-            keys = keys.to(q.dtype)
-            logits = torch.einsum("thd,kd->thk", q[queries].float(), keys.float()) * scale
-            logits = logits.masked_fill(~mask[:, None, :], NEG_INF)
-            sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-            probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-            out[queries] = torch.einsum("thk,kd->thd", probs, keys.float()).to(q.dtype)
+        for request, queries, first_pos, _ in plan.requests():
+            # Query blocks bound the work and memory to block x (window + compressed rows).
+            for start in range(queries.start, queries.stop, QUERY_BLOCK):
+                block = slice(start, min(start + QUERY_BLOCK, queries.stop))
+                block_first = first_pos + (start - queries.start)
+                block_end = block_first + (block.stop - block.start)
+                out[block] = self._attend_block(
+                    q[block],
+                    q_res[block],
+                    y[block],
+                    positions[block],
+                    request,
+                    block_first,
+                    block_end,
+                    swa_meta,
+                    metadata,
+                )
         return out
+
+    def _attend_block(
+        self, q, q_res, y, q_pos, request, first_pos, end_pos, swa_meta, metadata
+    ) -> torch.Tensor:
+        """Attention of queries at positions [first_pos, end_pos) of one request."""
+        key_start = max(0, first_pos - self.window + 1)
+        key_pos = torch.arange(key_start, end_pos, device=q.device)
+        keys = self.swa_cache.read(swa_meta, torch.full_like(key_pos, request), key_pos)
+        rel = q_pos[:, None] - key_pos[None, :]
+        mask = (rel >= 0) & (rel < self.window)
+        if self.compressor is not None:
+            count = end_pos // self.ratio
+            if count:
+                keys = torch.cat([keys, self.compressor.rows(metadata, request, count, q.device)], dim=0)
+                if self.ratio == 4:
+                    comp_mask = self.compressor.indexer.select(q_res, y, q_pos, request, count, metadata)
+                else:
+                    comp_mask = (
+                        torch.arange(count, device=q.device)[None, :] < ((q_pos + 1) // self.ratio)[:, None]
+                    )
+                mask = torch.cat([mask, comp_mask], dim=1)
+        keys = keys.float()
+        logits = torch.einsum("thd,kd->thk", q.float(), keys) * self.head_dim**-0.5
+        logits = logits.masked_fill(~mask[:, None, :], NEG_INF)
+        sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("thk,kd->thd", probs, keys).to(q.dtype)

@@ -52,7 +52,9 @@ class Ds4CacheMetadata(AttentionMetadata):
 
     @cached_property
     def plan(self) -> BatchPlan:
-        return BatchPlan(self.query_start_loc[: self.num_reqs + 1].tolist(), self.seq_lens[: self.num_reqs].tolist())
+        return BatchPlan(
+            self.query_start_loc[: self.num_reqs + 1].tolist(), self.seq_lens[: self.num_reqs].tolist()
+        )
 
 
 class BatchPlan:
@@ -69,7 +71,9 @@ class BatchPlan:
 
     def requests(self):
         """(request index, query slice, first position, sequence length) per request with tokens this step."""
-        for r, (b, e, p, n) in enumerate(zip(self.q_start, self.q_end, self.pos_start, self.seq_len, strict=True)):
+        for r, (b, e, p, n) in enumerate(
+            zip(self.q_start, self.q_end, self.pos_start, self.seq_len, strict=True)
+        ):
             if e > b:
                 yield r, slice(b, e), p, n
 
@@ -151,7 +155,9 @@ class Ds4CacheLayer(nn.Module, AttentionLayerBase):
         return cls(prefix, spec, tokens_per_row=ratio)
 
     @classmethod
-    def compressor_inputs(cls, prefix: str, width: int, window: int, ratio: int, dtype: torch.dtype) -> Ds4CacheLayer:
+    def compressor_inputs(
+        cls, prefix: str, width: int, window: int, ratio: int, dtype: torch.dtype
+    ) -> Ds4CacheLayer:
         spec = SlidingWindowMLASpec(
             block_size=STATE_BLOCK[ratio], num_kv_heads=1, head_size=width, dtype=dtype, sliding_window=window
         )
@@ -170,7 +176,9 @@ class Ds4CacheLayer(nn.Module, AttentionLayerBase):
         states = ((token_pos % bs) // self.tokens_per_row).to(blocks.device)
         return blocks, states
 
-    def write(self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor, rows: torch.Tensor) -> None:
+    def write(
+        self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor, rows: torch.Tensor
+    ) -> None:
         """Store ``rows[i]`` in the slot of token ``token_pos[i]`` of request ``req[i]``."""
         if rows.shape[0] == 0:
             return

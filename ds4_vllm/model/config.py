@@ -101,7 +101,9 @@ class Ds4Config(DeepseekV4Config):
             "mlp_layer_types",
             f"hash_moe layers must come first, then moe; got {mlp}",
         )
-        need(self.num_key_value_heads == 1, "num_key_value_heads", f"must be 1, got {self.num_key_value_heads}")
+        need(
+            self.num_key_value_heads == 1, "num_key_value_heads", f"must be 1, got {self.num_key_value_heads}"
+        )
         need(self.hc_mult >= 1, "hc_mult", f"must be ≥ 1, got {self.hc_mult}")
         need(self.hc_sinkhorn_iters >= 1, "hc_sinkhorn_iters", f"must be ≥ 1, got {self.hc_sinkhorn_iters}")
         need(self.o_groups >= 1, "o_groups", f"must be ≥ 1, got {self.o_groups}")
@@ -116,13 +118,21 @@ class Ds4Config(DeepseekV4Config):
             "partial_rotary_factor",
             f"rope dim head_dim·partial_rotary_factor = {rope} must be even and > 0",
         )
-        need(rope <= self.head_dim, "partial_rotary_factor", f"rope dim {rope} exceeds head_dim={self.head_dim}")
+        need(
+            rope <= self.head_dim,
+            "partial_rotary_factor",
+            f"rope dim {rope} exceeds head_dim={self.head_dim}",
+        )
         need(
             rope <= self.index_head_dim,
             "index_head_dim",
             f"{self.index_head_dim} is smaller than the rope dim {rope}",
         )
-        need(self.scoring_func == "sqrtsoftplus", "scoring_func", f"must be 'sqrtsoftplus', got {self.scoring_func!r}")
+        need(
+            self.scoring_func == "sqrtsoftplus",
+            "scoring_func",
+            f"must be 'sqrtsoftplus', got {self.scoring_func!r}",
+        )
         need(self.hidden_act == "silu", "hidden_act", f"must be 'silu', got {self.hidden_act!r}")
         need(self.n_shared_experts == 1, "n_shared_experts", f"must be 1, got {self.n_shared_experts}")
         need(
@@ -130,8 +140,14 @@ class Ds4Config(DeepseekV4Config):
             "num_experts_per_tok",
             f"must be in 1..n_routed_experts={self.n_routed_experts}, got {self.num_experts_per_tok}",
         )
-        for field in ("q_lora_rank", "o_lora_rank", "sliding_window", "index_n_heads", "index_topk",
-                      "moe_intermediate_size"):
+        for field in (
+            "q_lora_rank",
+            "o_lora_rank",
+            "sliding_window",
+            "index_n_heads",
+            "index_topk",
+            "moe_intermediate_size",
+        ):
             need(getattr(self, field) > 0, field, f"must be > 0, got {getattr(self, field)}")
 
     @classmethod

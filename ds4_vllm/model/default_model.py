@@ -29,7 +29,7 @@ import numpy as np
 from ds4_vllm.model.config import DS4_ARCHITECTURE, Ds4Config
 
 # Bump when the recipe (dims, seed, scales, files) changes: a new folder is materialized.
-DEFAULT_MODEL_VERSION = "v1"
+DEFAULT_MODEL_VERSION = "v2"
 DEFAULT_MODEL_SEED = 20260401
 
 CHAT_TEMPLATE = (
@@ -67,7 +67,9 @@ def default_config() -> Ds4Config:
         moe_intermediate_size=256,
         mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
         sliding_window=128,
-        index_n_heads=4,
+        # 16 indexer heads (Flash has 64): with only 4, a quarter of a query's candidate scores are
+        # exactly 0 (all heads ReLU-clipped), so top-512 ties would decide which rows are attended.
+        index_n_heads=16,
         index_head_dim=64,
         index_topk=512,
         hc_mult=4,
@@ -77,7 +79,11 @@ def default_config() -> Ds4Config:
         rope_theta=10000.0,
         compress_rope_theta=160000.0,
         rope_parameters={
-            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rope_dim_fraction},
+            "main": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": rope_dim_fraction,
+            },
             "compress": {
                 "rope_type": "yarn",
                 "rope_theta": 160000.0,

@@ -61,7 +61,9 @@ class Ds4KVLayout:
 
     def __init__(self, config, role_of: Callable[[str], tuple[int, int]]) -> None:
         """``role_of(cache_name) -> (group index, group block size)`` from the KV cache config."""
-        self.dims = ModelDims(config.num_hidden_layers, config.head_dim, config.index_head_dim, config.vocab_size)
+        self.dims = ModelDims(
+            config.num_hidden_layers, config.head_dim, config.index_head_dim, config.vocab_size
+        )
         self.window = config.sliding_window
         self.layers: list[LayerCaches] = []
         self.group_block_sizes: dict[int, int] = {}
@@ -127,10 +129,14 @@ class Ds4KVLayout:
             return np.zeros((0, cache.shape[-1]), dtype=np.float32)
         blocks, states = self._slots(role, block_ids, positions)
         if bool((blocks == NULL_BLOCK).any()):
-            raise StateUnavailable(f"{role.name}: rows of positions {positions[0]}..{positions[-1]} were released")
+            raise StateUnavailable(
+                f"{role.name}: rows of positions {positions[0]}..{positions[-1]} were released"
+            )
         return cache[blocks.to(cache.device), 0, states.to(cache.device)].to(torch.float32).cpu().numpy()
 
-    def _write(self, caches, role: CacheRole, block_ids, positions: Sequence[int], rows, start: int = 0) -> None:
+    def _write(
+        self, caches, role: CacheRole, block_ids, positions: Sequence[int], rows, start: int = 0
+    ) -> None:
         if start:
             # Rows below `start` are in blocks vLLM's prefix cache shares with other requests.
             keep_rows = [i for i, p in enumerate(positions) if p >= start]
@@ -144,7 +150,9 @@ class Ds4KVLayout:
         if not bool(keep.any()):
             return
         values = torch.as_tensor(np.ascontiguousarray(rows))[keep]
-        cache[blocks[keep].to(cache.device), 0, states[keep].to(cache.device)] = values.to(cache.device, cache.dtype)
+        cache[blocks[keep].to(cache.device), 0, states[keep].to(cache.device)] = values.to(
+            cache.device, cache.dtype
+        )
 
     # ------------------------------------------------------------------ cache -> payload
 
@@ -154,7 +162,7 @@ class Ds4KVLayout:
         n_comp, n_index = self.counts(n_tokens)
         out = []
         for il, layer in enumerate(self.layers):
-            arrays = {"raw": self._read(caches, layer.raw, block_ids, raw_positions)}
+            arrays = {"raw": self._raw_rows(caches, layer.raw, block_ids, raw_positions, n_tokens)}
             if layer.ratio:
                 arrays["comp"] = self._comp_rows(caches, layer.comp, block_ids, n_comp[il])
                 arrays["state_kv"], arrays["state_score"] = self._frontier(
@@ -167,6 +175,20 @@ class Ds4KVLayout:
                 )
             out.append(LayerArrays(**arrays))
         return out
+
+    def _raw_rows(
+        self, caches, role: CacheRole, block_ids, positions: list[int], n_tokens: int
+    ) -> np.ndarray:
+        """The format keeps ``window`` raw rows, but continuing only reads the last ``window - 1``:
+        the next token sees itself plus those. vLLM may already have released the oldest one
+        (a finished request keeps only its next token's window); it is then written as zeros."""
+        oldest = n_tokens - self.window
+        if positions and positions[0] == oldest:
+            blocks, _ = self._slots(role, block_ids, positions[:1])
+            if int(blocks[0]) == NULL_BLOCK:
+                rest = self._read(caches, role, block_ids, positions[1:])
+                return np.concatenate([np.zeros((1, rest.shape[1]), dtype=np.float32), rest])
+        return self._read(caches, role, block_ids, positions)
 
     def _comp_rows(self, caches, role: CacheRole, block_ids, count: int) -> np.ndarray:
         return self._read(caches, role, block_ids, [c * role.tokens_per_row for c in range(count)])
@@ -196,7 +218,9 @@ class Ds4KVLayout:
                 self._write_frontier(caches, layer.state, block_ids, n_tokens, layer.ratio, arrays, start)
             if layer.ratio == 4:
                 self._write_comp(caches, layer.index_comp, block_ids, arrays.index_comp, start)
-                self._write_frontier(caches, layer.index_state, block_ids, n_tokens, 4, arrays, start, index=True)
+                self._write_frontier(
+                    caches, layer.index_state, block_ids, n_tokens, 4, arrays, start, index=True
+                )
 
     def _write_comp(self, caches, role: CacheRole, block_ids, rows, start: int) -> None:
         positions = [c * role.tokens_per_row for c in range(len(rows))]

@@ -64,7 +64,9 @@ class HyperConnection(nn.Module):
         return post, comb, collapsed
 
     @staticmethod
-    def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def expand(
+        streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
         """X'_k = post_k * f(y) + sum_j comb[j, k] * X_j."""
         dtype = streams.dtype
         mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
@@ -105,7 +107,9 @@ class SharedExpert(nn.Module):
 class Router(nn.Module):
     """sqrt-softplus scores; hash layers pick experts by token id, the rest by biased top-k."""
 
-    def __init__(self, hidden: int, n_experts: int, top_k: int, vocab: int, hashed: bool, scale: float) -> None:
+    def __init__(
+        self, hidden: int, n_experts: int, top_k: int, vocab: int, hashed: bool, scale: float
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
         self.hashed, self.top_k, self.scale = hashed, top_k, scale
@@ -118,7 +122,9 @@ class Router(nn.Module):
         scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))
         if self.hashed:
             if input_ids is None:
-                raise ValueError("hash-routed DeepSeek V4 layers need token ids (prompt embeddings are not supported)")
+                raise ValueError(
+                    "hash-routed DeepSeek V4 layers need token ids (prompt embeddings are not supported)"
+                )
             indices = self.tid2eid[input_ids].long()
         else:
             biased = scores + self.e_score_correction_bias.float()
@@ -173,7 +179,9 @@ class MoE(nn.Module):
         self.experts = Experts(
             config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         )
-        self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
+        self.shared_experts = SharedExpert(
+            config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         weights, indices = self.gate(x, input_ids)

@@ -128,7 +128,9 @@ class Ds4ForCausalLM(nn.Module):
         embeds = inputs_embeds[:count] if inputs_embeds is not None else None
         hidden = self.model(ids, positions[:count], embeds, metadata)
         if metadata is not None:
-            get_forward_context().ds4_step = StepHidden(hidden, positions[:count], metadata, self.compute_logits)
+            get_forward_context().ds4_step = StepHidden(
+                hidden, positions[:count], metadata, self.compute_logits
+            )
         if count < total:  # vLLM may pad the batch; padded rows carry no request
             hidden = torch.cat([hidden, hidden.new_zeros(total - count, hidden.shape[-1])])
         return hidden
@@ -160,6 +162,9 @@ class Ds4ForCausalLM(nn.Module):
 
     def _local_name(self, name: str) -> str:
         parts = name.split(".")
+        # transformers' save_pretrained renames ``kv_norm`` to ``norm`` in these modules.
+        if len(parts) >= 3 and parts[-2] == "norm" and parts[-3] in ("self_attn", "compressor", "indexer"):
+            parts[-2] = "kv_norm"
         if "indexer" in parts:
             i = parts.index("indexer")
             if i + 1 < len(parts) and parts[i + 1] in self._INDEXER_COMPRESSOR_PARAMS:

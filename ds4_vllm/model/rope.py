@@ -28,7 +28,9 @@ def rope_inv_freq(params: dict, rope_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         return 1.0 / (base**exponents), 1.0
     if rope_type != "yarn":
-        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported (use 'default' or 'yarn')")
+        raise ValueError(
+            f"rope_parameters.rope_type={rope_type!r} is not supported (use 'default' or 'yarn')"
+        )
 
     factor = float(params["factor"])
     original_len = int(params["original_max_position_embeddings"])
@@ -54,7 +56,9 @@ def rope_inv_freq(params: dict, rope_dim: int) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
     pos_freqs = base**exponents
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
+        1.0 / pos_freqs
+    ) * extrapolation_weight
     return inv_freq, float(attention_factor)
 
 

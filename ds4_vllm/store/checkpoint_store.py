@@ -412,6 +412,12 @@ class CheckpointStore:
             outcome.path,
         )
 
+    def record_load(self, seconds: float, *, failed: bool = False) -> None:
+        """Count the time of a load done outside `open_for_load` (the connector's worker side)."""
+        with self._lock:
+            self._stats.load_seconds += seconds
+            self._stats.failures += int(failed)
+
     def record_miss(self) -> None:
         """Count a request that found nothing usable on disk (or whose load failed)."""
         with self._lock:

@@ -1,0 +1,150 @@
+"""Issue 4: restoring a checkpoint from disk and prefilling the rest equals a cold full prefill.
+
+Engine A (ds4disk) computes a 4,603-token conversation, saving it at a cold point
+(4,571 tokens: trimmed, not aligned) and on finish (evict, 4,610 tokens; the
+continued saves at 2,048 and 4,096 it made on the way are then dropped as nested
+copies of the same conversation). A second conversation (4,000-token prompt) is
+still decoding when engine A stops, so its continued checkpoint at 4,096 tokens
+(aligned, reached during decode) is what persists of it. Engine B, a fresh engine
+on the same directory with vLLM's own prefix cache off, answers follow-ups that
+each load one of those files. Engine R has no connector and computes them cold.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ds4_vllm.kvc import open_checkpoint, text_sha1
+from tests.model.engine_helpers import greedy, make_engine, random_prompts, shutdown_engine
+
+pytestmark = pytest.mark.slow
+
+PROMPT_TOKENS = 4603
+MAX_TOKENS = 8
+ROUND_OFF = 1e-4  # log-probability; restored vs cold differ only by float32 summation order
+SAVE_POLICY = {"kv_cache_boundary_align_tokens": 0, "kv_cache_continued_interval_tokens": 2048}
+EXPECTED_FILES = {"continued": {4096}, "cold": {4571}, "evict": {PROMPT_TOKENS + MAX_TOKENS - 1}}
+UNFINISHED_PROMPT_TOKENS = 4000
+
+
+def connector_config(disk_dir) -> dict:
+    return {
+        "kv_connector": "ds4disk",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kv_disk_dir": str(disk_dir), **SAVE_POLICY},
+    }
+
+
+def run(engine_kwargs: dict, prompts: list[list[int]]):
+    llm = make_engine(**engine_kwargs)
+    try:
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(MAX_TOKENS, logprobs=5))
+    finally:
+        shutdown_engine(llm)
+
+
+def decode_until_checkpoint(llm, prompt: list[int], disk_dir, tokens: int, timeout_s: float = 300):
+    """Run ``prompt`` step by step until a ``tokens``-token checkpoint exists; return its path and bytes.
+
+    The request is left unfinished: the engine is shut down while it still decodes.
+    """
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    engine.add_request("unfinished", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=400, temperature=0))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        engine.step()
+        for path in disk_dir.glob("*.kv"):
+            with open_checkpoint(path) as ck:
+                if ck.header.tokens == tokens:
+                    return path, path.read_bytes()
+    raise AssertionError(f"no {tokens}-token checkpoint after {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    disk_dir = tmp_path_factory.mktemp("kvdisk")
+    prompt, unfinished, tail_a, tail_b, tail_c = random_prompts(
+        [PROMPT_TOKENS, UNFINISHED_PROMPT_TOKENS, 30, 40, 40], seed=41
+    )
+    llm = make_engine(kv_transfer_config=connector_config(disk_dir))
+    try:
+        first = llm.generate([{"prompt_token_ids": prompt}], greedy(MAX_TOKENS, logprobs=5))[0]
+        continued_path, continued_bytes = decode_until_checkpoint(llm, unfinished, disk_dir, 4096)
+    finally:
+        shutdown_engine(llm)
+    # Stopping engine A aborted the unfinished request, whose final (evict) checkpoint then
+    # replaced the continued one as a nested copy of the same conversation. Put the continued
+    # file back as a crash would have left it: its bytes are exactly what engine A wrote.
+    if not continued_path.exists():
+        continued_path.write_bytes(continued_bytes)
+    with open_checkpoint(continued_path) as ck:
+        continued_tokens = [int(t) for t in ck.payload.tokens]
+    generated = list(first.outputs[0].token_ids)
+    follow_ups = {
+        "evict": prompt + generated + tail_a,
+        "cold": prompt[:4571] + tail_b,
+        "continued": continued_tokens + tail_c,
+    }
+    restored = run(
+        {"kv_transfer_config": connector_config(disk_dir), "enable_prefix_caching": False},
+        list(follow_ups.values()),
+    )
+    reference = run({"enable_prefix_caching": False}, [prompt, *follow_ups.values()])
+    return {
+        "dir": disk_dir,
+        "first": first,
+        "continued_tokens": continued_tokens,
+        "unfinished": unfinished,
+        "restored": dict(zip(follow_ups, restored, strict=True)),
+        "reference_first": reference[0],
+        "reference": dict(zip(follow_ups, reference[1:], strict=True)),
+    }
+
+
+def test_continued_checkpoint_extends_the_unfinished_prompt(scenario):
+    assert scenario["continued_tokens"][:UNFINISHED_PROMPT_TOKENS] == scenario["unfinished"]
+
+
+def test_saving_does_not_change_the_first_answer(scenario):
+    assert list(scenario["first"].outputs[0].token_ids) == list(scenario["reference_first"].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize(
+    "reason, loaded",
+    [("evict", PROMPT_TOKENS + MAX_TOKENS - 1), ("cold", 4571), ("continued", 4096)],
+)
+def test_restored_logits_equal_cold_prefill(scenario, reason, loaded):
+    restored, reference = scenario["restored"][reason], scenario["reference"][reason]
+    assert restored.num_cached_tokens == loaded, f"{reason}: expected the {loaded}-token checkpoint to load"
+    assert reference.num_cached_tokens == 0
+    assert list(restored.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
+    worst = 0.0
+    for got, want in zip(restored.outputs[0].logprobs, reference.outputs[0].logprobs, strict=True):
+        for token, lp in want.items():
+            worst = max(worst, abs(got[token].logprob - lp.logprob))
+    assert worst < ROUND_OFF, f"{reason}: max |Δ logprob| = {worst}"
+
+
+def test_files_are_valid_kvc_checkpoints(scenario):
+    paths = sorted(scenario["dir"].glob("*.kv"))
+    verify = subprocess.run(
+        [sys.executable, "-m", "ds4_vllm.cli.kv", "verify", *map(str, paths)], capture_output=True, text=True
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    found: dict[str, set[int]] = {}
+    for path in paths:
+        with open_checkpoint(path) as ck:
+            assert path.name == text_sha1(bytes(ck.text)) + ".kv"
+            header = ck.payload.header
+            assert (header.n_layer, header.head_dim, header.index_dim, header.n_vocab) == (6, 128, 64, 129280)
+            assert header.n_tokens == ck.header.tokens == len(ck.payload.tokens)
+            assert len(ck.payload.logits) == 129280
+            found.setdefault(ck.header.reason_name, set()).add(ck.header.tokens)
+    for reason, tokens in EXPECTED_FILES.items():
+        assert tokens <= found.get(reason, set()), f"missing {reason} checkpoints {tokens}; found {found}"
