@@ -127,8 +127,14 @@ def _patch_hf_config_conversion() -> None:
     original = parser.parse
 
     @functools.wraps(original)
-    def parse(self: Any, model: Any, trust_remote_code: bool, revision: str | None = None,
-              code_revision: str | None = None, **kwargs: Any) -> Any:
+    def parse(
+        self: Any,
+        model: Any,
+        trust_remote_code: bool,
+        revision: str | None = None,
+        code_revision: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
         overrides = kwargs.get("hf_overrides")
         if isinstance(overrides, dict) and MODEL_ARCH in (overrides.get("architectures") or []):
             return _parse_as_ds4(model, revision, code_revision, kwargs)
@@ -138,8 +144,9 @@ def _patch_hf_config_conversion() -> None:
     parser.parse = parse
 
 
-def _parse_as_ds4(model: Any, revision: str | None, code_revision: str | None,
-                  kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+def _parse_as_ds4(
+    model: Any, revision: str | None, code_revision: str | None, kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], Any]:
     import huggingface_hub
     from transformers import PreTrainedConfig
 

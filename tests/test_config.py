@@ -14,8 +14,10 @@ from ds4_vllm.model.default_model import default_config, default_model_dir, writ
     [
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
         ({"layer_types": ["sliding_attention"] * 6}, "layer_types"),
-        ({"compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}},
-         "compress_rates"),
+        (
+            {"compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}},
+            "compress_rates",
+        ),
         ({"hc_mult": 0}, "hc_mult"),
         ({"num_attention_heads": 4, "o_groups": 3}, "num_attention_heads"),
         ({"head_dim": 10, "partial_rotary_factor": 0.3}, "partial_rotary_factor"),  # 3 rotary dims: odd
@@ -39,12 +41,23 @@ def test_defaults_follow_ds4_schedule() -> None:
 
 
 def test_legacy_deepseek_v4_dict_is_understood() -> None:
-    cfg = Ds4Config.from_config_dict({
-        "model_type": "deepseek_v4", "num_hidden_layers": 4, "compress_ratios": [0, 0, 4, 128],
-        "num_hash_layers": 2, "qk_rope_head_dim": 64, "head_dim": 512,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
-    })
+    cfg = Ds4Config.from_config_dict(
+        {
+            "model_type": "deepseek_v4",
+            "num_hidden_layers": 4,
+            "compress_ratios": [0, 0, 4, 128],
+            "num_hash_layers": 2,
+            "qk_rope_head_dim": 64,
+            "head_dim": 512,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 16,
+                "original_max_position_embeddings": 65536,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        }
+    )
     assert cfg.model_type == "ds4"
     assert cfg.compress_ratios == [0, 0, 4, 128]
     assert cfg.mlp_layer_types == ["hash_moe", "hash_moe", "moe", "moe"]
@@ -101,7 +114,9 @@ def test_transformers_loads_default_model(tmp_path: Path) -> None:
 
     register_auto_config()
     tok = AutoTokenizer.from_pretrained(folder)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
     ids = tok("The quick brown fox jumps over the lazy dog", return_tensors="pt").input_ids
     with torch.no_grad():

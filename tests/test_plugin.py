@@ -59,8 +59,11 @@ def test_deepseek_v4_checkpoint_with_arch_override(model_dir: Path, tmp_path: Pa
     to_transformers_config(Ds4Config.from_pretrained(model_dir)).save_pretrained(v4_dir)
     assert json.loads((v4_dir / "config.json").read_text())["model_type"] == "deepseek_v4"
     config = EngineArgs(
-        model=str(v4_dir), tokenizer=str(model_dir), hf_overrides={"architectures": ["Ds4ForCausalLM"]},
-        max_model_len=2048, load_format="dummy",
+        model=str(v4_dir),
+        tokenizer=str(model_dir),
+        hf_overrides={"architectures": ["Ds4ForCausalLM"]},
+        max_model_len=2048,
+        load_format="dummy",
     ).create_engine_config()
     mc = config.model_config
     assert mc.architectures == ["Ds4ForCausalLM"]

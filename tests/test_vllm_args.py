@@ -24,13 +24,19 @@ def _kv_config(argv: list[str]) -> dict:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["serve", "--model", "ds4", "--port", "8000"],
-         ["serve", "--model", MODEL_DIR, "--port", "8000", "--served-model-name", "ds4"]),
+        (
+            ["serve", "--model", "ds4", "--port", "8000"],
+            ["serve", "--model", MODEL_DIR, "--port", "8000", "--served-model-name", "ds4"],
+        ),
         (["serve", "--model=ds4"], ["serve", f"--model={MODEL_DIR}", "--served-model-name", "ds4"]),
-        (["serve", "ds4", "--host", "127.0.0.1"],
-         ["serve", MODEL_DIR, "--host", "127.0.0.1", "--served-model-name", "ds4"]),
-        (["serve", "--host", "127.0.0.1", "--model", "ds4", "--served-model-name", "x"],
-         ["serve", "--host", "127.0.0.1", "--model", MODEL_DIR, "--served-model-name", "x"]),
+        (
+            ["serve", "ds4", "--host", "127.0.0.1"],
+            ["serve", MODEL_DIR, "--host", "127.0.0.1", "--served-model-name", "ds4"],
+        ),
+        (
+            ["serve", "--host", "127.0.0.1", "--model", "ds4", "--served-model-name", "x"],
+            ["serve", "--host", "127.0.0.1", "--model", MODEL_DIR, "--served-model-name", "x"],
+        ),
     ],
 )
 def test_default_model_is_resolved(argv: list[str], expected: list[str]) -> None:
@@ -74,17 +80,37 @@ def test_model_dir_only_materialized_when_needed() -> None:
 
 def test_kv_connector_with_all_flags() -> None:
     argv = [
-        "serve", "m", "--kv-connector", "ds4disk", "--kv-disk-dir", "/tmp/kv", "--kv-disk-space-mb=2048",
-        "--kv-cache-min-tokens", "512", "--kv-cache-cold-max-tokens", "30000",
-        "--kv-cache-continued-interval-tokens", "10000", "--kv-cache-boundary-trim-tokens", "32",
-        "--kv-cache-boundary-align-tokens", "2048", "--kv-cache-reject-different-quant",
-        "--tool-memory-max-ids", "100000", "--trace", "/tmp/trace.txt", "--port", "8001",
+        "serve",
+        "m",
+        "--kv-connector",
+        "ds4disk",
+        "--kv-disk-dir",
+        "/tmp/kv",
+        "--kv-disk-space-mb=2048",
+        "--kv-cache-min-tokens",
+        "512",
+        "--kv-cache-cold-max-tokens",
+        "30000",
+        "--kv-cache-continued-interval-tokens",
+        "10000",
+        "--kv-cache-boundary-trim-tokens",
+        "32",
+        "--kv-cache-boundary-align-tokens",
+        "2048",
+        "--kv-cache-reject-different-quant",
+        "--tool-memory-max-ids",
+        "100000",
+        "--trace",
+        "/tmp/trace.txt",
+        "--port",
+        "8001",
     ]
     out = rewrite_kv_connector_args(argv)
     assert out[:2] == ["serve", "m"]
     assert "--port" in out and out[out.index("--port") + 1] == "8001"
-    assert not any(a.startswith(("--kv-disk", "--kv-cache-", "--trace", "--tool-memory", "--kv-connector"))
-                   for a in out)
+    assert not any(
+        a.startswith(("--kv-disk", "--kv-cache-", "--trace", "--tool-memory", "--kv-connector")) for a in out
+    )
     assert _kv_config(out) == {
         "kv_connector": "ds4disk",
         "kv_role": "kv_both",
@@ -134,7 +160,10 @@ def test_no_kv_flags_unchanged() -> None:
         (["serve", "m", "--kv-connector"], "--kv-connector needs"),
         (["serve", "m", "--kv-connector="], "--kv-connector needs a connector name"),
         (["serve", "m", "--kv-disk-dir", "/x", "--kv-transfer-config", "{}"], "cannot be combined"),
-        (["serve", "m", "--kv-connector", "a", "--kv-transfer-config.kv_role", "kv_both"], "cannot be combined"),
+        (
+            ["serve", "m", "--kv-connector", "a", "--kv-transfer-config.kv_role", "kv_both"],
+            "cannot be combined",
+        ),
     ],
 )
 def test_errors_are_clear(argv: list[str], message: str) -> None:

@@ -162,8 +162,10 @@ def rewrite_kv_connector_args(argv: list[str]) -> list[str]:
 
     if connector is None and not extra:
         return list(argv)
-    if any(a == "--kv-transfer-config" or a.startswith(("--kv-transfer-config=", "--kv-transfer-config."))
-           for a in out):
+    if any(
+        a == "--kv-transfer-config" or a.startswith(("--kv-transfer-config=", "--kv-transfer-config."))
+        for a in out
+    ):
         raise ArgvError(
             "--kv-connector and the ds4 cache flags cannot be combined with --kv-transfer-config; "
             "use one or the other (kv_connector_extra_config takes the same keys with underscores)"

@@ -6,7 +6,9 @@ its role; every hook delegates. Scheduler side (engine core):
 ``build_connector_meta`` (load and save jobs), ``request_finished_all_groups``
 (save a finished conversation, holding its blocks). Worker side:
 ``register_kv_caches``, ``start_load_kv`` (loads, finished-request saves),
-``wait_for_save`` (in-step saves), ``get_finished``, ``get_block_ids_with_load_errors``.
+``wait_for_save`` (in-step saves), ``get_transfer_results`` (loads done or failed,
+saves of finished requests done). Loads are asynchronous, so a failed one takes vLLM's
+recompute path.
 DS4's cache layers never call the per-layer save/load hooks.
 """
 
@@ -21,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -103,6 +106,11 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.load_finished(
+            set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
+        )
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, (block_ids,))
 
@@ -127,11 +135,13 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata if isinstance(self._connector_metadata, Ds4DiskMetadata) else None
         self.worker.wait_for_save(meta)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished()
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker.take_results()
+        return KVConnectorTransferResults(sending, recving, failed)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_load_errors()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     # ------------------------------------------------------------------ metrics (both sides)
 
@@ -145,7 +155,9 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
         return Ds4DiskStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> Ds4DiskPromMetrics:
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> Ds4DiskPromMetrics:
         return Ds4DiskPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:

@@ -51,6 +51,7 @@ class RequestState:
 class PendingLoad:
     outcome: LookupOutcome
     start: int  # tokens vLLM already had in memory
+    scheduled: bool = False  # blocks are allocated; the load goes out in the next metadata
 
 
 class Ds4DiskScheduler:
@@ -68,6 +69,7 @@ class Ds4DiskScheduler:
         self.requests: dict[str, RequestState] = {}
         self.lookups: dict[str, tuple[int, LookupOutcome | None]] = {}
         self.pending_loads: dict[str, PendingLoad] = {}
+        self.loading: dict[str, LookupOutcome] = {}  # load jobs sent, result not yet back
         self.finished_saves: list[SaveJob] = []
 
     # ------------------------------------------------------------------ lookups
@@ -96,7 +98,10 @@ class Ds4DiskScheduler:
             state.decision = _with(state.decision, disk_miss_reason="vLLM memory already holds as much")
             return 0, False
         self.pending_loads[req_id] = PendingLoad(outcome, num_computed_tokens)
-        return loadable - num_computed_tokens, False
+        # Asynchronous: the request waits until the worker reports the load done or failed;
+        # a failure then resets it to a full recompute (vLLM's "recompute" policy), which is
+        # the only failure path vLLM offers for models with several KV cache groups.
+        return loadable - num_computed_tokens, True
 
     def _lookup(self, req_id: str, prompt: list[int]) -> LookupOutcome | None:
         cached = self.lookups.get(req_id)
@@ -110,24 +115,29 @@ class Ds4DiskScheduler:
         return outcome
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Called after allocation; for an async load vLLM calls it again (with 0) once loaded."""
         pending = self.pending_loads.get(request.request_id)
-        if pending is None:
+        if pending is None or pending.scheduled:
             return
         if num_external_tokens == 0:
             del self.pending_loads[request.request_id]
             return
+        pending.scheduled = True
         self.store.pin(pending.outcome.path)
 
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Ds4DiskMetadata:
         meta = Ds4DiskMetadata()
-        for req_id, pending in self.pending_loads.items():
+        for req_id, pending in list(self.pending_loads.items()):
+            if not pending.scheduled:
+                continue
+            del self.pending_loads[req_id]
             outcome = pending.outcome
             meta.loads.append(
                 LoadJob(req_id, outcome.path, outcome.entry_tokens, pending.start, self._block_ids(req_id))
             )
-            self.store.record_hit(outcome)
+            self.loading[req_id] = outcome
             state = self.requests[req_id]
             state.last_stored = outcome.entry_tokens
             state.decision = _with(
@@ -136,7 +146,6 @@ class Ds4DiskScheduler:
                 disk_file=outcome.path,
                 disk_entry_tokens=outcome.entry_tokens,
             )
-        self.pending_loads.clear()
 
         for new in scheduler_output.scheduled_new_reqs:
             self._plan_request(new.req_id, new.num_computed_tokens)
@@ -204,13 +213,34 @@ class Ds4DiskScheduler:
 
     # ------------------------------------------------------------------ finish
 
+    def load_finished(self, loaded: set[str], failed: set[str]) -> None:
+        """Worker results of loads (vLLM passes them on once per step)."""
+        for req_id in loaded - failed:
+            outcome = self.loading.pop(req_id, None)
+            if outcome is not None:
+                self.store.unpin(outcome.path)
+                self.store.record_hit(outcome)
+        for req_id in failed:
+            outcome = self.loading.pop(req_id, None)
+            if outcome is not None:
+                self.store.unpin(outcome.path)
+            # vLLM resets the request to recompute; it must not be offered the file again.
+            self.lookups[req_id] = (self.lookups.get(req_id, (0, None))[0], None)
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.last_stored = 0
+                state.decision = _with(state.decision, disk_cached_tokens=0, disk_miss_reason="load failed")
+
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         req_id = request.request_id
         state = self.requests.pop(req_id, None)
         self.lookups.pop(req_id, None)
         pending = self.pending_loads.pop(req_id, None)
-        if pending is not None:
+        if pending is not None and pending.scheduled:
             self.store.unpin(pending.outcome.path)
+        loading = self.loading.pop(req_id, None)
+        if loading is not None:
+            self.store.unpin(loading.path)
         if state is None:
             return False, None
         # The finished conversation's whole state (prompt + generated, less the last sampled

@@ -19,7 +19,7 @@ from vllm.forward_context import get_forward_context
 
 from ds4_vllm.connector.metadata import Ds4DiskMetadata, LoadJob, SaveJob
 from ds4_vllm.kvc import KvcHeader, PayloadData, PayloadHeader, SaveReason
-from ds4_vllm.model.kv_layout import NULL_BLOCK, Ds4KVLayout, StateUnavailable
+from ds4_vllm.model.kv_layout import Ds4KVLayout, StateUnavailable
 from ds4_vllm.store import CheckpointStore, StoreOptions
 
 logger = logging.getLogger(__name__)
@@ -37,8 +37,9 @@ class Ds4DiskWorker:
         self.store = CheckpointStore(options, model_dims=layout.dims).open()
         self.caches: dict[str, torch.Tensor] = {}
         self.previous_step = None  # the last forward's StepHidden (finished requests ran in it)
-        self.load_errors: set[int] = set()
         self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
         self.queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.writer = threading.Thread(target=self._write_loop, name="ds4disk-writer", daemon=True)
         self.writer.start()
@@ -74,9 +75,11 @@ class Ds4DiskWorker:
                 checkpoint.close()
         except Exception as exc:  # any failure means: recompute these tokens
             logger.warning("kv cache load failed file=%s tokens=%d: %s", job.path, job.n_tokens, exc)
-            self.load_errors.update(_blocks_at_or_after(job, self.layout))
+            self.failed_recving.add(job.req_id)
+            self.finished_recving.add(job.req_id)
             self.store.record_load(time.perf_counter() - started, failed=True)
             return
+        self.finished_recving.add(job.req_id)
         self.store.record_load(time.perf_counter() - started)
         logger.info(
             "kv cache loaded tokens=%d file=%s load=%.1f ms",
@@ -99,13 +102,10 @@ class Ds4DiskWorker:
     def _save(self, job: SaveJob, step) -> None:
         """Copy the state after ``job.n_tokens`` out of the cache now; write it in the background."""
         reason = SaveReason(job.reason).name.lower()
-        raw_name = self.layout.layers[0].raw.name
         group = self.layout.layers[0].raw.group
-        logits = None if step is None else step.logits_at(raw_name, job.block_ids[group], job.n_tokens - 1)
+        logits = None if step is None else step.logits_at(job.block_ids[group], job.n_tokens - 1)
         if logits is None:
-            logger.info(
-                "kv cache skipped tokens=%d reason=%s: no logits for the last token", job.n_tokens, reason
-            )
+            logger.info("kv cache skipped tokens=%d reason=%s: no logits for the last token", job.n_tokens, reason)
             return
         try:
             layers = self.layout.extract(self.caches, job.block_ids, job.n_tokens)
@@ -151,16 +151,16 @@ class Ds4DiskWorker:
 
     # ------------------------------------------------------------------ reporting
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        done, self.finished_sending = self.finished_sending, set()
-        return (done or None), None
-
-    def take_load_errors(self) -> set[int]:
-        errors, self.load_errors = self.load_errors, set()
-        return errors
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        results = (self.finished_sending, self.finished_recving, self.failed_recving)
+        self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
+        return results
 
     def shutdown(self) -> None:
         """Drain the writer so every copied checkpoint reaches the disk before the process exits."""
+        if not self.writer.is_alive():
+            return
         self.queue.join()
         self.queue.put(None)
         self.writer.join(timeout=60)
@@ -171,13 +171,3 @@ def _forward_context_or_none():
         return get_forward_context()
     except AssertionError:
         return None
-
-
-def _blocks_at_or_after(job: LoadJob, layout: Ds4KVLayout) -> set[int]:
-    """Block ids the failed load was to fill (vLLM recomputes from the first of them)."""
-    blocks: set[int] = set()
-    for group, ids in enumerate(job.block_ids):
-        size = layout.group_block_size(group)
-        first = job.start // size if size else 0
-        blocks.update(b for b in ids[first:] if b != NULL_BLOCK)
-    return blocks

@@ -17,6 +17,7 @@ from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
 from ds4_vllm.model.attention import Ds4Attention
+from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheMetadata
 from ds4_vllm.model.layers import HyperConnection, HyperHead, MoE, RMSNorm
 
 
@@ -65,25 +66,29 @@ class StepHidden:
     """This step's final hidden states, left on the forward context for the ds4disk connector.
 
     A checkpoint stores the next-token logits after its last token; the connector computes
-    them from these rows, for save points inside a prefill chunk as well as at its end.
+    them from these rows, for save points inside a prefill chunk as well as at its end, and
+    for finished requests in the step after their last one. Requests are recognised by the
+    block ids of the first layer's raw-window cache (copied: vLLM reuses its buffers).
     """
 
     hidden: torch.Tensor  # [tokens, hidden]
-    positions: torch.Tensor  # [tokens]
-    metadata: dict  # cache layer name -> Ds4CacheMetadata
+    plan: BatchPlan
+    block_table: torch.Tensor  # [requests, width] of the first raw-window cache's group
+    block_size: int
     compute_logits: Callable[[torch.Tensor], torch.Tensor]
 
-    def logits_at(self, cache_name: str, block_ids: list[int], position: int) -> torch.Tensor | None:
+    @classmethod
+    def capture(cls, hidden: torch.Tensor, meta: Ds4CacheMetadata, compute_logits) -> StepHidden:
+        table = meta.block_table[: meta.num_reqs].to("cpu", copy=True)
+        return cls(hidden, meta.plan, table, meta.block_size, compute_logits)
+
+    def logits_at(self, block_ids: list[int], position: int) -> torch.Tensor | None:
         """float32 logits after the token at ``position`` of the request owning ``block_ids``, if it ran."""
-        meta = self.metadata.get(cache_name)
-        if meta is None:
+        index = position // self.block_size
+        if index >= len(block_ids) or index >= self.block_table.shape[1]:
             return None
-        index = position // meta.block_size
-        if index >= len(block_ids):
-            return None
-        plan = meta.plan
-        for r, queries, first, seq_len in plan.requests():
-            if first <= position < seq_len and int(meta.block_table[r, index]) == block_ids[index]:
+        for r, queries, first, seq_len in self.plan.requests():
+            if first <= position < seq_len and int(self.block_table[r, index]) == block_ids[index]:
                 row = self.hidden[queries.start + position - first]
                 return self.compute_logits(row[None])[0].float()
         return None
@@ -128,9 +133,8 @@ class Ds4ForCausalLM(nn.Module):
         embeds = inputs_embeds[:count] if inputs_embeds is not None else None
         hidden = self.model(ids, positions[:count], embeds, metadata)
         if metadata is not None:
-            get_forward_context().ds4_step = StepHidden(
-                hidden, positions[:count], metadata, self.compute_logits
-            )
+            first_raw = metadata[self.model.layers[0].self_attn.swa_cache.prefix]
+            get_forward_context().ds4_step = StepHidden.capture(hidden, first_raw, self.compute_logits)
         if count < total:  # vLLM may pad the batch; padded rows carry no request
             hidden = torch.cat([hidden, hidden.new_zeros(total - count, hidden.shape[-1])])
         return hidden

@@ -63,13 +63,21 @@ def conversations():
 
 
 @pytest.fixture(scope="module")
-def engine(tmpfs):
+def engine(tmpfs, conversations):
+    # After `conversations`: an in-process engine leaves its connector registered in this process.
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
-    config = {"kv_connector": "ds4disk", "kv_role": "kv_both", "kv_connector_extra_config": {"kv_disk_dir": str(tmpfs)}}
+    config = {
+        "kv_connector": "ds4disk",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kv_disk_dir": str(tmpfs)},
+    }
     llm = make_engine(kv_transfer_config=config, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
     yield llm
     shutdown_engine(llm)
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()  # the in-process worker registered its connector globally
     if old is None:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     else:

@@ -71,9 +71,11 @@ def runs(tmp_path_factory):
         saved = [int(t) for t in ck.payload.tokens]
     follow_up = prompt + answer_ids(first) + new_turn
 
-    server_b = ServerProcess(COMMON + connector, base / "b.log").start()
+    trace = base / "trace.txt"
+    server_b = ServerProcess(COMMON + connector + ["--trace", str(trace)], base / "b.log").start()
     try:
         restored = complete(server_b, follow_up)
+        metrics = _get(f"{server_b.base_url}/metrics")
     finally:
         server_b.stop()
     server_c = ServerProcess(COMMON, base / "c.log").start()
@@ -81,7 +83,28 @@ def runs(tmp_path_factory):
         cold = complete(server_c, follow_up)
     finally:
         server_c.stop()
-    return {"exit_a": exit_a, "saved": saved, "prompt": prompt, "first": first, "restored": restored, "cold": cold}
+    return {
+        "exit_a": exit_a,
+        "saved": saved,
+        "prompt": prompt,
+        "first": first,
+        "restored": restored,
+        "cold": cold,
+        "trace": trace.read_text(),
+        "metrics": metrics,
+    }
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+def _metric(text: str, name: str) -> float:
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")]
+    return sum(values)
 
 
 def test_server_a_stops_gracefully(runs):
@@ -101,3 +124,16 @@ def test_new_process_reports_the_prefix_as_cached(runs):
 def test_same_output_as_without_the_connector(runs):
     assert runs["restored"].choices[0].text == runs["cold"].choices[0].text
     assert runs["cold"].usage.prompt_tokens_details.cached_tokens in (0, None)
+
+
+def test_trace_explains_the_disk_hit(runs):
+    block = runs["trace"]
+    assert "cache_source: disk" in block
+    assert f"disk_cached_tokens: {len(runs['saved'])}" in block
+    assert "disk_cache_file: " in block
+
+
+def test_prometheus_counts_the_hit(runs):
+    text = runs["metrics"]
+    assert _metric(text, "vllm:ds4disk_hits_total") >= 1
+    assert _metric(text, "vllm:ds4disk_tokens_loaded_total") >= len(runs["saved"])

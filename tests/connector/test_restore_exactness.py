@@ -55,7 +55,9 @@ def decode_until_checkpoint(llm, prompt: list[int], disk_dir, tokens: int, timeo
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    engine.add_request("unfinished", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=400, temperature=0))
+    engine.add_request(
+        "unfinished", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=400, temperature=0)
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         engine.step()
@@ -112,7 +114,9 @@ def test_continued_checkpoint_extends_the_unfinished_prompt(scenario):
 
 
 def test_saving_does_not_change_the_first_answer(scenario):
-    assert list(scenario["first"].outputs[0].token_ids) == list(scenario["reference_first"].outputs[0].token_ids)
+    assert list(scenario["first"].outputs[0].token_ids) == list(
+        scenario["reference_first"].outputs[0].token_ids
+    )
 
 
 @pytest.mark.parametrize(

@@ -34,8 +34,13 @@ if __name__ == "__main__":  # vLLM spawns processes that re-import this file
 
 def _generate(kwargs: dict, env: dict, script: Path) -> list[list[int]]:
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), json.dumps(kwargs)], env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(script), json.dumps(kwargs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
@@ -46,8 +51,12 @@ def test_deepseek_v4_dir_matches_default_model(tmp_path: Path) -> None:
 
     from ds4_vllm.model.config import Ds4Config, to_transformers_config
 
-    env = {**os.environ, "DS4_VLLM_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {
+        **os.environ,
+        "DS4_VLLM_CACHE": str(tmp_path / "cache"),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
     os.environ["DS4_VLLM_CACHE"] = env["DS4_VLLM_CACHE"]
     try:
         from ds4_vllm.model.default_model import default_model_dir
@@ -56,13 +65,21 @@ def test_deepseek_v4_dir_matches_default_model(tmp_path: Path) -> None:
     finally:
         del os.environ["DS4_VLLM_CACHE"]
     v4_dir = tmp_path / "v4"
-    model = DeepseekV4ForCausalLM.from_pretrained(model_dir, config=to_transformers_config(
-        Ds4Config.from_pretrained(model_dir)))
+    model = DeepseekV4ForCausalLM.from_pretrained(
+        model_dir, config=to_transformers_config(Ds4Config.from_pretrained(model_dir))
+    )
     model.save_pretrained(v4_dir)
     del model
 
     script = tmp_path / "generate.py"
     expected = _generate({"model": "ds4"}, env, script)
-    got = _generate({"model": str(v4_dir), "tokenizer": str(model_dir),
-                     "hf_overrides": {"architectures": ["Ds4ForCausalLM"]}}, env, script)
+    got = _generate(
+        {
+            "model": str(v4_dir),
+            "tokenizer": str(model_dir),
+            "hf_overrides": {"architectures": ["Ds4ForCausalLM"]},
+        },
+        env,
+        script,
+    )
     assert got == expected
