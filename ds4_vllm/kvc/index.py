@@ -172,6 +172,10 @@ class CheckpointIndex:
                         changed += 1
                     else:
                         added += 1
+        return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
+
+    def _drop_unseen(self, seen) -> int:
+        """Forget files no longer in the directory; returns how many valid entries went."""
         removed = 0
         for path in list(self._sigs):
             if path not in seen:
@@ -179,7 +183,7 @@ class CheckpointIndex:
                 removed += path in self._entries
                 self._entries.pop(path, None)
                 self._invalid.pop(path, None)
-        return RefreshStats(added, changed, removed, invalid)
+        return removed
 
     def _read(self, path: Path, name: str, mtime_ns: int) -> IndexEntry | str:
         try:

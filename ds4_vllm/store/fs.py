@@ -172,14 +172,7 @@ class FsspecIndex(CheckpointIndex):
                 self._entries[path] = entry
             changed += known
             added += not known
-        removed = 0
-        for path in list(self._sigs):
-            if path not in seen:
-                del self._sigs[path]
-                removed += path in self._entries
-                self._entries.pop(path, None)
-                self._invalid.pop(path, None)
-        return RefreshStats(added, changed, removed, invalid)
+        return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
 
     def _read_remote(self, path: Path, name: str, size: int, stamp: int) -> IndexEntry | str:
         try:
