@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 import multiprocessing
+import os
 import sys
 from typing import Any
 
 __all__ = ["register"]
 
 DEFAULT_MODEL_NAME = "ds4"
+DEFAULT_MODEL_KV_CACHE_BYTES = 2 << 30
 MODEL_ARCH = "Ds4ForCausalLM"
 MODEL_CLASS = "ds4_vllm.model.model:Ds4ForCausalLM"
 CONNECTOR_NAME = "ds4disk"
@@ -68,9 +70,15 @@ def resolve_default_model(engine_args: Any) -> None:
             engine_args.model = path
         if engine_args.tokenizer == DEFAULT_MODEL_NAME:
             engine_args.tokenizer = path
+    if engine_args.model != str(default_model_path()):
+        return
     # Clients keep calling it "ds4" (also when HF_HUB_OFFLINE already mapped the name to the path).
-    if engine_args.model == str(default_model_path()) and engine_args.served_model_name is None:
+    if engine_args.served_model_name is None:
         engine_args.served_model_name = DEFAULT_MODEL_NAME
+    # The tiny model needs little KV memory. Without a size, vLLM's CPU backend reserves 92% of
+    # the machine's memory and refuses to start when that much is not free.
+    if engine_args.kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        engine_args.kv_cache_memory_bytes = DEFAULT_MODEL_KV_CACHE_BYTES
 
 
 def _patch_default_model_name() -> None:

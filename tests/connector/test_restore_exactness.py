@@ -83,6 +83,9 @@ def scenario(tmp_path_factory):
     # Stopping engine A aborted the unfinished request, whose final (evict) checkpoint then
     # replaced the continued one as a nested copy of the same conversation. Put the continued
     # file back as a crash would have left it: its bytes are exactly what engine A wrote.
+    stopped_tokens = checkpoint_tokens(
+        disk_dir, lambda ck: ck.header.tokens > 4096 and ck.header.tokens < 4200
+    )
     if not continued_path.exists():
         continued_path.write_bytes(continued_bytes)
     with open_checkpoint(continued_path) as ck:
@@ -92,6 +95,7 @@ def scenario(tmp_path_factory):
         "evict": prompt + generated + tail_a,
         "cold": prompt[:4571] + tail_b,
         "continued": continued_tokens + tail_c,
+        "stop": stopped_tokens + tail_c,
     }
     restored = run(
         {"kv_transfer_config": connector_config(disk_dir), "enable_prefix_caching": False},
@@ -109,6 +113,22 @@ def scenario(tmp_path_factory):
     }
 
 
+def checkpoint_tokens(disk_dir, wanted) -> list[int]:
+    """Token ids of the one checkpoint in ``disk_dir`` that ``wanted(checkpoint)`` picks."""
+    found = []
+    for path in disk_dir.glob("*.kv"):
+        with open_checkpoint(path) as ck:
+            if wanted(ck):
+                found.append([int(t) for t in ck.payload.tokens])
+    assert len(found) == 1, f"expected one matching checkpoint, found {len(found)}"
+    return found[0]
+
+
+def test_graceful_stop_saved_the_unfinished_conversation(scenario):
+    # Stopping engine A aborted the still-decoding request; its state was saved on the way out.
+    assert scenario["restored"]["stop"].num_cached_tokens > 4096
+
+
 def test_continued_checkpoint_extends_the_unfinished_prompt(scenario):
     assert scenario["continued_tokens"][:UNFINISHED_PROMPT_TOKENS] == scenario["unfinished"]
 
@@ -121,11 +141,14 @@ def test_saving_does_not_change_the_first_answer(scenario):
 
 @pytest.mark.parametrize(
     "reason, loaded",
-    [("evict", PROMPT_TOKENS + MAX_TOKENS - 1), ("cold", 4571), ("continued", 4096)],
+    [("evict", PROMPT_TOKENS + MAX_TOKENS - 1), ("cold", 4571), ("continued", 4096), ("stop", None)],
 )
 def test_restored_logits_equal_cold_prefill(scenario, reason, loaded):
     restored, reference = scenario["restored"][reason], scenario["reference"][reason]
-    assert restored.num_cached_tokens == loaded, f"{reason}: expected the {loaded}-token checkpoint to load"
+    if loaded is not None:
+        assert restored.num_cached_tokens == loaded, (
+            f"{reason}: expected the {loaded}-token checkpoint to load"
+        )
     assert reference.num_cached_tokens == 0
     assert list(restored.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
     worst = 0.0

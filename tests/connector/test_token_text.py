@@ -1,0 +1,54 @@
+"""The checkpoint key text: token ids back to the exact bytes of the prompt they came from."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4_vllm.connector.token_text import TokenText
+from ds4_vllm.model.default_model import default_model_dir
+
+PROMPT = "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Grüße, 世界! 🙂 x=1\n\n<｜Assistant｜></think>Ok."
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def token_text(tokenizer_dir):
+    return TokenText.from_tokenizer_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(PROMPT, add_special_tokens=False).ids
+
+
+def test_text_of_all_tokens_is_the_prompt(token_text, ids):
+    assert token_text.text(ids) == PROMPT.encode("utf-8")
+
+
+def test_every_token_prefix_is_a_byte_prefix(token_text, ids):
+    whole = PROMPT.encode("utf-8")
+    for k in range(len(ids) + 1):
+        assert whole.startswith(token_text.text(ids[:k]))
+
+
+def test_a_prefix_can_end_inside_a_utf8_character(token_text, tokenizer_dir):
+    from tokenizers import Tokenizer
+
+    parrots = "🦜🦜"  # byte-level BPE splits each 4-byte character into 3 tokens
+    ids = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(parrots, add_special_tokens=False).ids
+    cuts = [token_text.text(ids[:k]) for k in range(len(ids) + 1)]
+    assert cuts[-1] == parrots.encode("utf-8")
+    assert any(len(c) % 4 for c in cuts), "some prefix ends inside a character"
+    assert all(parrots.encode("utf-8").startswith(c) for c in cuts)
+
+
+def test_special_tokens_are_verbatim(token_text):
+    user = token_text.token_id("<｜User｜>")
+    assert user is not None
+    assert token_text.text([user]) == "<｜User｜>".encode()
