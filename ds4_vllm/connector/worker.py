@@ -105,7 +105,9 @@ class Ds4DiskWorker:
         group = self.layout.layers[0].raw.group
         logits = None if step is None else step.logits_at(job.block_ids[group], job.n_tokens - 1)
         if logits is None:
-            logger.info("kv cache skipped tokens=%d reason=%s: no logits for the last token", job.n_tokens, reason)
+            logger.info(
+                "kv cache skipped tokens=%d reason=%s: no logits for the last token", job.n_tokens, reason
+            )
             return
         try:
             layers = self.layout.extract(self.caches, job.block_ids, job.n_tokens)

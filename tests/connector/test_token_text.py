@@ -24,7 +24,11 @@ def token_text(tokenizer_dir):
 def ids(tokenizer_dir):
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(PROMPT, add_special_tokens=False).ids
+    return (
+        Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        .encode(PROMPT, add_special_tokens=False)
+        .ids
+    )
 
 
 def test_text_of_all_tokens_is_the_prompt(token_text, ids):
@@ -41,7 +45,11 @@ def test_a_prefix_can_end_inside_a_utf8_character(token_text, tokenizer_dir):
     from tokenizers import Tokenizer
 
     parrots = "🦜🦜"  # byte-level BPE splits each 4-byte character into 3 tokens
-    ids = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(parrots, add_special_tokens=False).ids
+    ids = (
+        Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        .encode(parrots, add_special_tokens=False)
+        .ids
+    )
     cuts = [token_text.text(ids[:k]) for k in range(len(ids) + 1)]
     assert cuts[-1] == parrots.encode("utf-8")
     assert any(len(c) % 4 for c in cuts), "some prefix ends inside a character"
