@@ -36,13 +36,26 @@ logger = logging.getLogger(__name__)
 
 
 def _log_through_vllm() -> None:
-    """Send ds4_vllm's log lines (kv cache hit/stored/evicted...) to vLLM's handlers and format."""
+    """Show ds4_vllm's log lines (kv cache hit/stored/evicted...) through vLLM's handlers and format.
+
+    Records still propagate to the root logger as usual; the forwarding handler only adds
+    vLLM's output, which otherwise ignores loggers outside the ``vllm`` namespace.
+    """
     ours, theirs = logging.getLogger("ds4_vllm"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
+    if theirs.propagate or any(isinstance(h, _ForwardToVllm) for h in ours.handlers):
+        return  # vLLM's own lines already reach the root logger, and so do ours
+    ours.addHandler(_ForwardToVllm(theirs))
+    if ours.level == logging.NOTSET:
         ours.setLevel(logging.INFO)
-        ours.propagate = False
+
+
+class _ForwardToVllm(logging.Handler):
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.target.handle(record)
 
 
 _log_through_vllm()
