@@ -42,8 +42,8 @@ def _log_through_vllm() -> None:
     vLLM's output, which otherwise ignores loggers outside the ``vllm`` namespace.
     """
     ours, theirs = logging.getLogger("ds4_vllm"), logging.getLogger("vllm")
-    if theirs.propagate or any(isinstance(h, _ForwardToVllm) for h in ours.handlers):
-        return  # vLLM's own lines already reach the root logger, and so do ours
+    if any(isinstance(h, _ForwardToVllm) for h in ours.handlers):
+        return
     ours.addHandler(_ForwardToVllm(theirs))
     if ours.level == logging.NOTSET:
         ours.setLevel(logging.INFO)
@@ -55,7 +55,14 @@ class _ForwardToVllm(logging.Handler):
         self.target = target
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.target.handle(record)
+        # When vLLM's logger propagates, its lines reach the root logger, and so do ours.
+        if self.target.propagate:
+            return
+        # Handlers vLLM shares with the root logger (as under pytest) see our record there.
+        shared = logging.getLogger().handlers
+        for handler in self.target.handlers:
+            if handler not in shared and record.levelno >= handler.level:
+                handler.handle(record)
 
 
 _log_through_vllm()
