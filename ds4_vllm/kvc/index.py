@@ -156,23 +156,30 @@ class CheckpointIndex:
                         continue
                     seen.add(path)
                     sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-                    if self._sigs.get(path) == sig:
-                        continue
-                    known = path in self._sigs
-                    self._sigs[path] = sig
-                    self._entries.pop(path, None)
-                    self._invalid.pop(path, None)
-                    entry_or_reason = self._read(path, dirent.name, st.st_mtime_ns)
-                    if isinstance(entry_or_reason, str):
-                        self._invalid[path] = entry_or_reason
-                        invalid += 1
-                    else:
-                        self._entries[path] = entry_or_reason
-                    if known:
-                        changed += 1
-                    else:
-                        added += 1
+                    outcome = self._update(
+                        path, sig, lambda p=path, n=dirent.name, m=st.st_mtime_ns: self._read(p, n, m)
+                    )
+                    if outcome is not None:
+                        added += outcome[0] == "added"
+                        changed += outcome[0] == "changed"
+                        invalid += outcome[1]
         return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
+
+    def _update(self, path: Path, sig: tuple, read) -> tuple[str, bool] | None:
+        """Re-read ``path`` if its signature changed: None, or ("added"|"changed", whether invalid)."""
+        if self._sigs.get(path) == sig:
+            return None
+        known = path in self._sigs
+        self._sigs[path] = sig
+        self._entries.pop(path, None)
+        self._invalid.pop(path, None)
+        entry_or_reason = read()
+        kind = "changed" if known else "added"
+        if isinstance(entry_or_reason, str):
+            self._invalid[path] = entry_or_reason
+            return kind, True
+        self._entries[path] = entry_or_reason
+        return kind, False
 
     def _drop_unseen(self, seen) -> int:
         """Forget files no longer in the directory; returns how many valid entries went."""

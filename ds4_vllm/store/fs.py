@@ -158,20 +158,13 @@ class FsspecIndex(CheckpointIndex):
             seen.add(path)
             stamp = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
             sig = (int(info.get("size") or 0), hash(str(stamp)), 0, 0)
-            if self._sigs.get(path) == sig:
-                continue
-            known = path in self._sigs
-            self._sigs[path] = sig
-            self._entries.pop(path, None)
-            self._invalid.pop(path, None)
-            entry = self._read_remote(path, name, sig[0], sig[1])
-            if isinstance(entry, str):
-                self._invalid[path] = entry
-                invalid += 1
-            else:
-                self._entries[path] = entry
-            changed += known
-            added += not known
+            outcome = self._update(
+                path, sig, lambda p=path, n=name, s=sig: self._read_remote(p, n, s[0], s[1])
+            )
+            if outcome is not None:
+                added += outcome[0] == "added"
+                changed += outcome[0] == "changed"
+                invalid += outcome[1]
         return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
 
     def _read_remote(self, path: Path, name: str, size: int, stamp: int) -> IndexEntry | str:
