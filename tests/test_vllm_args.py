@@ -1,17 +1,20 @@
-"""The `vllm serve` argv rewrites (pure functions, no vLLM import)."""
+"""The `vllm serve` argv rewrites (pure functions, no vLLM import) and their one flag table."""
 
 import json
 import os
+import re
 
 import pytest
 
 from ds4_vllm.cli.vllm_args import (
+    KV_CACHE_FLAGS,
     ArgvError,
     mentions_default_model,
     rewrite_kv_connector_args,
     rewrite_model_arg,
     rewrite_serve_argv,
 )
+from ds4_vllm.store.options import SETTINGS, StoreConfigError, StoreOptions
 
 MODEL_DIR = "/cache/ds4-tiny"
 
@@ -78,7 +81,8 @@ def test_model_dir_only_materialized_when_needed() -> None:
     assert rewrite_serve_argv(["chat"], boom) == ["chat"]
 
 
-def test_kv_connector_with_all_flags() -> None:
+def test_kv_connector_with_ds4_engine_flags() -> None:
+    """ds4's own flags; test_every_setting_is_a_flag covers the rest of the table."""
     argv = [
         "serve",
         "m",
@@ -98,8 +102,6 @@ def test_kv_connector_with_all_flags() -> None:
         "--kv-cache-boundary-align-tokens",
         "2048",
         "--kv-cache-reject-different-quant",
-        "--tool-memory-max-ids",
-        "100000",
         "--trace",
         "/tmp/trace.txt",
         "--port",
@@ -114,6 +116,7 @@ def test_kv_connector_with_all_flags() -> None:
     assert _kv_config(out) == {
         "kv_connector": "ds4disk",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # ds4disk requires it: a failed load is recomputed
         "kv_connector_extra_config": {
             "kv_disk_dir": "/tmp/kv",
             "kv_disk_space_mb": 2048,
@@ -123,7 +126,6 @@ def test_kv_connector_with_all_flags() -> None:
             "kv_cache_boundary_trim_tokens": 32,
             "kv_cache_boundary_align_tokens": 2048,
             "kv_cache_reject_different_quant": True,
-            "tool_memory_max_ids": 100000,
             "trace": "/tmp/trace.txt",
         },
     }
@@ -132,6 +134,9 @@ def test_kv_connector_with_all_flags() -> None:
 def test_connector_name_alone_and_relative_path() -> None:
     out = rewrite_kv_connector_args(["serve", "m", "--kv-connector=other"])
     assert _kv_config(out) == {"kv_connector": "other", "kv_role": "kv_both", "kv_connector_extra_config": {}}
+    assert _kv_config(rewrite_kv_connector_args(["serve", "m", "--kv-connector=ds4disk"]))[
+        "kv_load_failure_policy"
+    ] == ("recompute")
     out = rewrite_kv_connector_args(["serve", "m", "--kv-disk-dir", "kvdir"])
     cfg = _kv_config(out)
     assert cfg["kv_connector"] == "ds4disk"  # cache flags imply the ds4 disk connector
@@ -151,12 +156,32 @@ def test_no_kv_flags_unchanged() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["serve", "m", "--kv-disk-dir"], "--kv-disk-dir needs a path"),
-        (["serve", "m", "--kv-disk-dir", "--port", "1"], "--kv-disk-dir needs a path"),
-        (["serve", "m", "--trace"], "--trace needs a path"),
-        (["serve", "m", "--kv-disk-space-mb", "lots"], "--kv-disk-space-mb needs a whole number"),
-        (["serve", "m", "--kv-cache-min-tokens=-1"], "must be ≥ 0"),
-        (["serve", "m", "--kv-cache-reject-different-quant=maybe"], "true/false"),
+        (["serve", "m", "--kv-disk-dir"], "--kv-disk-dir / kv_disk_dir: expected a path, got no value"),
+        (["serve", "m", "--kv-disk-dir", "--port", "1"], "--kv-disk-dir / kv_disk_dir: expected a path"),
+        (["serve", "m", "--kv-disk-dir="], "--kv-disk-dir / kv_disk_dir: must not be empty"),
+        (["serve", "m", "--trace"], "--trace / trace: expected a path, got no value"),
+        (
+            ["serve", "m", "--kv-disk-space-mb", "lots"],
+            "--kv-disk-space-mb / kv_disk_space_mb: expected an integer, got 'lots'",
+        ),
+        (
+            ["serve", "m", "--kv-cache-min-tokens=-1"],
+            "--kv-cache-min-tokens / kv_cache_min_tokens: must be >= 1, got -1",
+        ),
+        (["serve", "m", "--kv-cache-min-tokens", "0"], "must be >= 1, got 0"),
+        (["serve", "m", "--kv-cache-boundary-trim-tokens=-3"], "must be >= 0, got -3"),
+        (
+            ["serve", "m", "--kv-cache-reject-different-quant=maybe"],
+            "--kv-cache-reject-different-quant / kv_cache_reject_different_quant: expected true or false",
+        ),
+        (
+            ["serve", "m", "--tool-memory-max-ids", "100000"],
+            "--tool-memory-max-ids / tool_memory_max_ids: not supported yet",
+        ),
+        (
+            ["serve", "m", "--kv-cache-min-tokens", "1000", "--kv-cache-cold-max-tokens", "900"],
+            "--kv-cache-cold-max-tokens / kv_cache_cold_max_tokens: 900 is below --kv-cache-min-tokens",
+        ),
         (["serve", "m", "--kv-connector"], "--kv-connector needs"),
         (["serve", "m", "--kv-connector="], "--kv-connector needs a connector name"),
         (["serve", "m", "--kv-disk-dir", "/x", "--kv-transfer-config", "{}"], "cannot be combined"),
@@ -167,5 +192,61 @@ def test_no_kv_flags_unchanged() -> None:
     ],
 )
 def test_errors_are_clear(argv: list[str], message: str) -> None:
-    with pytest.raises(ArgvError, match=message):
+    with pytest.raises(ArgvError, match=re.escape(message)):
         rewrite_kv_connector_args(argv)
+
+
+def test_every_setting_is_a_flag() -> None:
+    """The flags come from store/options.py's table: a new setting needs no change here."""
+    assert sorted(KV_CACHE_FLAGS.values()) == sorted(SETTINGS)
+    assert all(flag == "--" + key.replace("_", "-") for flag, key in KV_CACHE_FLAGS.items())
+
+
+@pytest.mark.parametrize(
+    ("key", "raw"),
+    [
+        ("kv_disk_space_mb", "0"),
+        ("kv_cache_min_tokens", "-1"),
+        ("kv_cache_min_tokens", "1_000"),
+        ("kv_cache_boundary_align_tokens", "x"),
+        ("kv_cache_reject_different_quant", "maybe"),
+        ("kv_disk_dir", ""),
+    ],
+)
+def test_flag_and_extra_config_reject_alike(key: str, raw: str) -> None:
+    """Both spellings go through one parser: same rejection, same message."""
+    with pytest.raises(StoreConfigError) as from_config:
+        StoreOptions.from_extra_config({key: raw})
+    flag = "--" + key.replace("_", "-")
+    with pytest.raises(ArgvError) as from_flag:
+        rewrite_kv_connector_args(["serve", "m", f"{flag}={raw}"])
+    assert str(from_flag.value) == str(from_config.value)
+
+
+def test_urls_are_not_made_absolute() -> None:
+    out = rewrite_kv_connector_args(["serve", "m", "--kv-disk-dir", "s3://bucket/kv", "--trace=~/t.log"])
+    extra = _kv_config(out)["kv_connector_extra_config"]
+    assert extra == {"kv_disk_dir": "s3://bucket/kv", "trace": os.path.expanduser("~/t.log")}
+
+
+def test_other_connector_gets_flags_unchecked_together() -> None:
+    """Cross-setting checks are ds4disk's; another connector receives the parsed values as given."""
+    argv = [
+        "serve",
+        "m",
+        "--kv-connector",
+        "mine",
+        "--kv-cache-min-tokens=1000",
+        "--kv-cache-cold-max-tokens=900",
+    ]
+    extra = _kv_config(rewrite_kv_connector_args(argv))["kv_connector_extra_config"]
+    assert extra == {"kv_cache_min_tokens": 1000, "kv_cache_cold_max_tokens": 900}
+
+
+def test_ds4disk_gets_a_shutdown_drain_unless_given() -> None:
+    """SIGTERM with vLLM's default 0 s kills the engine at once; ds4disk needs time to save."""
+    out = rewrite_kv_connector_args(["serve", "m", "--kv-connector", "ds4disk"])
+    assert out[out.index("--shutdown-timeout") + 1] == "5"
+    out = rewrite_kv_connector_args(["serve", "m", "--kv-connector", "ds4disk", "--shutdown-timeout", "20"])
+    assert out.count("--shutdown-timeout") == 1 and out[out.index("--shutdown-timeout") + 1] == "20"
+    assert "--shutdown-timeout" not in rewrite_kv_connector_args(["serve", "m", "--kv-connector", "other"])

@@ -1,13 +1,19 @@
 """Rewrite ds4 conveniences in a `vllm serve` command line into plain vLLM arguments.
 
-vLLM has no hook for new CLI flags, but `vllm serve` loads general plugins before it parses
-`sys.argv` (spec §6), so `ds4_vllm.register()` applies these pure functions to `sys.argv[1:]`:
+vLLM has no hook for new CLI flags, so these pure functions rewrite the arguments before vLLM
+parses them: `ds4-vllm serve` (`ds4_vllm.cli.main`) applies them to its own arguments, and for
+plain `vllm serve` the plugin applies them to `sys.argv` (`ds4_vllm.vllm_compat`, which says why):
 
 - `--model ds4` / `--model=ds4` / positional `ds4` → the embedded default model directory
   (plus `--served-model-name ds4` so clients keep asking for model "ds4");
 - `--kv-connector NAME` and the ds4 cache flags (`--kv-disk-dir DIR`, ...) →
   `--kv-transfer-config '{"kv_connector": NAME, "kv_role": "kv_both",
-  "kv_connector_extra_config": {"kv_disk_dir": DIR, ...}}'`.
+  "kv_connector_extra_config": {"kv_disk_dir": DIR, ...}}'` (for ds4disk also
+  `"kv_load_failure_policy": "recompute"`, and `--shutdown-timeout 5` unless given).
+
+The ds4 cache flags, their kinds and bounds come from the one settings table,
+`ds4_vllm.store.options.SETTINGS`, and are parsed by the same code as
+`kv_connector_extra_config`, so both spellings accept the same values with the same messages.
 """
 
 from __future__ import annotations
@@ -15,27 +21,29 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from typing import Any
+
+from ds4_vllm.store.options import (
+    NOT_SUPPORTED_YET,
+    SETTINGS,
+    StoreConfigError,
+    StoreOptions,
+    flag_names,
+    is_local_dir,
+    setting_flag,
+    setting_for,
+)
 
 DEFAULT_MODEL_NAME = "ds4"
 DEFAULT_CONNECTOR = "ds4disk"
+#: vLLM's default (0) kills the engine at once on SIGTERM; ds4disk needs a few seconds of vLLM's
+#: graceful drain to save running requests as `shutdown` checkpoints. Below Docker's 10 s stop grace.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5
 
-# ds4 cache flags collected into kv_connector_extra_config, with their value kind:
-# "path" (made absolute), "int" (≥ 0), "bool" (bare flag = true, or --flag=true/false).
-# The connector owns what they mean; add new flags here.
-KV_CACHE_FLAGS: dict[str, str] = {
-    "--kv-disk-dir": "path",
-    "--kv-disk-space-mb": "int",
-    "--kv-cache-min-tokens": "int",
-    "--kv-cache-cold-max-tokens": "int",
-    "--kv-cache-continued-interval-tokens": "int",
-    "--kv-cache-boundary-trim-tokens": "int",
-    "--kv-cache-boundary-align-tokens": "int",
-    "--kv-cache-reject-different-quant": "bool",
-    "--tool-memory-max-ids": "int",
-    "--trace": "path",
-}
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+#: ds4 cache flag → its `kv_connector_extra_config` key, for every setting in SETTINGS.
+KV_CACHE_FLAGS: dict[str, str] = {setting_flag(key): key for key in SETTINGS}
+#: ds4 flags that are recognised only to say that they are not supported yet.
+NOT_SUPPORTED_FLAGS: dict[str, str] = {setting_flag(key): key for key in NOT_SUPPORTED_YET}
 
 
 class ArgvError(ValueError):
@@ -92,33 +100,31 @@ def rewrite_model_arg(argv: list[str], model_dir: str) -> list[str]:
     return out
 
 
-def _parse_value(flag: str, kind: str, raw: str) -> str | int | bool:
-    if kind == "int":
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ArgvError(f"{flag} needs a whole number, got {raw!r}") from None
-        if value < 0:
-            raise ArgvError(f"{flag} must be ≥ 0, got {value}")
-        return value
-    if kind == "bool":
-        low = raw.lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ArgvError(f"{flag} takes no value or one of true/false, got {raw!r}")
-    if not raw:
-        raise ArgvError(f"{flag} needs a non-empty path")
-    return os.path.abspath(os.path.expanduser(raw))
+def _absolute_path(value: str) -> str:
+    """Local paths relative to the launching directory become absolute; URLs stay as given."""
+    if is_local_dir(value) and not value.startswith("file://"):
+        return os.path.abspath(os.path.expanduser(value))
+    return value
 
 
-def _take_value(argv: list[str], i: int, flag: str, kind: str) -> tuple[str, int]:
-    """The value after `flag` at argv[i] and the index after it."""
-    if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-        what = {"path": "a path", "int": "a whole number"}.get(kind, "a value")
-        raise ArgvError(f"{flag} needs {what}, e.g. {flag} {'/tmp/ds4-kv' if kind == 'path' else '1024'}")
-    return argv[i + 1], i + 2
+def _cache_flag_value(argv: list[str], i: int, key: str, inline: str | None) -> tuple[Any, int]:
+    """The parsed value of the ds4 cache flag at argv[i] and the index after it.
+
+    A bare boolean flag means true; other flags take `--flag=VALUE` or `--flag VALUE`.
+    """
+    setting = setting_for(key)
+    if inline is not None:
+        raw, i = inline, i + 1
+    elif setting.kind is bool:
+        raw, i = "true", i + 1
+    elif i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+        raise ArgvError(f"{flag_names(key)}: expected {setting.kind_name}, got no value")
+    else:
+        raw, i = argv[i + 1], i + 2
+    value = setting.parse(key, raw)
+    if setting.kind is str and value is not None:
+        value = _absolute_path(value)
+    return value, i
 
 
 def rewrite_kv_connector_args(argv: list[str]) -> list[str]:
@@ -126,11 +132,47 @@ def rewrite_kv_connector_args(argv: list[str]) -> list[str]:
 
     The ds4 cache flags alone imply `--kv-connector ds4disk`. Mixing them with an explicit
     `--kv-transfer-config` is an error (put the settings into its kv_connector_extra_config).
-    Command lines without any of these flags come back unchanged.
+    For `ds4disk` the settings are also checked together (as the connector will at start-up),
+    so a bad combination stops here with the same message, and vLLM's load-failure policy is
+    set to "recompute", which ds4disk requires (a checkpoint that fails to load costs a
+    prefill, not the request), and, unless given, `--shutdown-timeout 5` (a SIGTERM then
+    saves running requests as `shutdown` checkpoints). Command lines without any of these
+    flags come back unchanged.
     """
+    try:
+        out, connector, extra = _collect_kv_flags(argv)
+        if connector is None and not extra:
+            return list(argv)
+        connector = connector or DEFAULT_CONNECTOR
+        if connector == DEFAULT_CONNECTOR:
+            StoreOptions.from_extra_config(extra)
+    except StoreConfigError as e:
+        raise ArgvError(str(e)) from None
+    if any(
+        a == "--kv-transfer-config" or a.startswith(("--kv-transfer-config=", "--kv-transfer-config."))
+        for a in out
+    ):
+        raise ArgvError(
+            "--kv-connector and the ds4 cache flags cannot be combined with --kv-transfer-config; "
+            "use one or the other (kv_connector_extra_config takes the same keys with underscores)"
+        )
+    config: dict[str, Any] = {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    if connector == DEFAULT_CONNECTOR:
+        config["kv_load_failure_policy"] = "recompute"
+        if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in out):
+            out += ["--shutdown-timeout", str(DEFAULT_SHUTDOWN_TIMEOUT_S)]
+    return out + ["--kv-transfer-config", json.dumps(config)]
+
+
+def _collect_kv_flags(argv: list[str]) -> tuple[list[str], str | None, dict[str, Any]]:
+    """Split `--kv-connector` and the ds4 cache flags (parsed) off the other arguments."""
     out: list[str] = []
     connector: str | None = None
-    extra: dict[str, str | int | bool] = {}
+    extra: dict[str, Any] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -140,42 +182,21 @@ def rewrite_kv_connector_args(argv: list[str]) -> list[str]:
         flag, eq, inline = arg.partition("=")
         if flag == "--kv-connector":
             if eq:
-                raw, i = inline, i + 1
+                connector, i = inline, i + 1
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                connector, i = argv[i + 1], i + 2
             else:
-                raw, i = _take_value(argv, i, flag, "name")
-            if not raw:
+                connector = ""
+            if not connector:
                 raise ArgvError("--kv-connector needs a connector name, e.g. --kv-connector ds4disk")
-            connector = raw
             continue
-        kind = KV_CACHE_FLAGS.get(flag)
-        if kind is None:
+        key = KV_CACHE_FLAGS.get(flag) or NOT_SUPPORTED_FLAGS.get(flag)
+        if key is None:
             out.append(arg)
             i += 1
             continue
-        if eq:
-            raw, i = inline, i + 1
-        elif kind == "bool":
-            raw, i = "true", i + 1
-        else:
-            raw, i = _take_value(argv, i, flag, kind)
-        extra[flag.removeprefix("--").replace("-", "_")] = _parse_value(flag, kind, raw)
-
-    if connector is None and not extra:
-        return list(argv)
-    if any(
-        a == "--kv-transfer-config" or a.startswith(("--kv-transfer-config=", "--kv-transfer-config."))
-        for a in out
-    ):
-        raise ArgvError(
-            "--kv-connector and the ds4 cache flags cannot be combined with --kv-transfer-config; "
-            "use one or the other (kv_connector_extra_config takes the same keys with underscores)"
-        )
-    config = {
-        "kv_connector": connector or DEFAULT_CONNECTOR,
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
-    return out + ["--kv-transfer-config", json.dumps(config)]
+        extra[key], i = _cache_flag_value(argv, i, key, inline if eq else None)
+    return out, connector, extra
 
 
 def rewrite_serve_argv(argv: list[str], model_dir: Callable[[], str]) -> list[str]:

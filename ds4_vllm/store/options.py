@@ -3,7 +3,8 @@
 Every setting has two spellings: the ds4 flag (`--kv-cache-min-tokens`) and the key of vLLM's
 `kv_connector_extra_config` (`kv_cache_min_tokens`). Errors name both, so a user can fix
 whichever one they typed. Bad input stops start-up (`StoreConfigError`); nothing here is
-retried or guessed.
+retried or guessed. `SETTINGS` is the only table of them: the `vllm serve` flag rewrite
+(`ds4_vllm.cli.vllm_args`) derives its flags, kinds and bounds from it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,17 +36,24 @@ DEFAULT_BOUNDARY_TRIM_TOKENS = 32
 #: KV_CACHE_DEFAULT_BOUNDARY_ALIGN_TOKENS: the prefill chunk (2048), so saved lengths fall on
 #: chunk boundaries and compressed rows are complete; 0 disables alignment.
 DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
-#: DS4_TOOL_MEMORY_DEFAULT_MAX_IDS: bound of the tool-call id memory kept in RAM.
-DEFAULT_TOOL_MEMORY_MAX_IDS = 100000
+#: Checkpoints copied out of the KV cache and waiting for the disk, in MiB of host memory; when
+#: the writer falls this far behind, engine steps wait for it (back-pressure) instead of
+#: dropping saves. Not a ds4 flag: ds4 writes synchronously.
+DEFAULT_WRITE_QUEUE_MB = 1024
 
 
 class StoreConfigError(ValueError):
     """A disk-cache setting is invalid; the message names the flag in both spellings."""
 
 
+def setting_flag(key: str) -> str:
+    """The ds4 flag spelling of an extra-config key: `kv_cache_min_tokens` → `--kv-cache-min-tokens`."""
+    return f"--{key.replace('_', '-')}"
+
+
 def flag_names(key: str) -> str:
     """`--kv-cache-min-tokens / kv_cache_min_tokens`: how every message names a setting."""
-    return f"--{key.replace('_', '-')} / {key}"
+    return f"{setting_flag(key)} / {key}"
 
 
 def default_disk_dir(env: Mapping[str, str] | None = None) -> str:
@@ -79,12 +88,16 @@ class StoreOptions:
     boundary_trim_tokens: int = DEFAULT_BOUNDARY_TRIM_TOKENS
     boundary_align_tokens: int = DEFAULT_BOUNDARY_ALIGN_TOKENS
     reject_different_quant: bool = False
-    tool_memory_max_ids: int = DEFAULT_TOOL_MEMORY_MAX_IDS
+    write_queue_mb: int = DEFAULT_WRITE_QUEUE_MB
     trace: str | None = None
 
     @property
     def budget_bytes(self) -> int:
         return self.disk_space_mb * MIB
+
+    @property
+    def write_queue_bytes(self) -> int:
+        return self.write_queue_mb * MIB
 
     @property
     def continued_step(self) -> int:
@@ -100,15 +113,8 @@ class StoreOptions:
 
     def validate(self) -> StoreOptions:
         """Check value ranges (no I/O; the directory is checked when the store opens)."""
-        for key, spec in _SETTINGS.items():
-            value = getattr(self, spec.field)
-            if not isinstance(value, spec.kind) or (spec.kind is int and isinstance(value, bool)):
-                if not (spec.optional and value is None):
-                    raise StoreConfigError(f"{flag_names(key)}: expected {spec.kind_name}, got {value!r}")
-            if spec.kind is int and value < spec.minimum:
-                raise StoreConfigError(f"{flag_names(key)}: must be >= {spec.minimum}, got {value}")
-        if not self.disk_dir:
-            raise StoreConfigError(f"{flag_names('kv_disk_dir')}: must not be empty")
+        for key, setting in SETTINGS.items():
+            setting.check(key, getattr(self, setting.field))
         if 0 < self.cold_max_tokens < self.min_tokens:
             raise StoreConfigError(
                 f"{flag_names('kv_cache_cold_max_tokens')}: {self.cold_max_tokens} is below "
@@ -121,22 +127,18 @@ class StoreOptions:
     def from_extra_config(cls, config: Mapping[str, Any], *, other_keys: Iterable[str] = ()) -> StoreOptions:
         """Parse `kv_connector_extra_config` (keys may also be written as `--kv-disk-dir`).
 
-        Integers may come as ints or decimal strings (CLI flags are strings); booleans as
-        bools or "true"/"false"/"1"/"0". `other_keys` are keys owned by other parts of the
-        connector, passed over silently. Anything else unknown is an error.
+        Values are parsed by `Setting.parse` (the ds4 flags go through the same code).
+        `other_keys` are keys owned by other parts of the connector, passed over silently.
+        Anything else unknown is an error.
         """
         values: dict[str, Any] = {}
-        ignored = {_normalize_key(k) for k in other_keys}
+        ignored = {normalize_key(k) for k in other_keys}
         for raw_key, raw in config.items():
-            key = _normalize_key(str(raw_key))
+            key = normalize_key(str(raw_key))
             if key in ignored:
                 continue
-            spec = _SETTINGS.get(key)
-            if spec is None:
-                close = difflib.get_close_matches(key, list(_SETTINGS), n=1)
-                hint = f"; did you mean {flag_names(close[0])}?" if close else ""
-                raise StoreConfigError(f"unknown disk-cache setting {raw_key!r}{hint}")
-            values[spec.field] = spec.parse(key, raw)
+            setting = setting_for(key, spelled=str(raw_key))
+            values[setting.field] = setting.parse(key, raw)
         return cls(**values).validate()
 
     def describe(self) -> str:
@@ -148,12 +150,26 @@ class StoreOptions:
         )
 
 
-def _normalize_key(key: str) -> str:
+def normalize_key(key: str) -> str:
+    """`--kv-disk-dir` or `kv-disk-dir` → `kv_disk_dir`."""
     return key.lstrip("-").replace("-", "_")
 
 
+_TRUE_WORDS = ("true", "1", "yes", "on")
+_FALSE_WORDS = ("false", "0", "no", "off")
+_INTEGER = re.compile(r"-?[0-9]+")
+_INVALID = object()  # what _convert returns for a value of the wrong kind
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Setting:
+class Setting:
+    """One disk-cache setting: its StoreOptions field, value type and bounds.
+
+    The one parser for both spellings: `from_extra_config` and the `vllm serve` flag rewrite
+    (`ds4_vllm.cli.vllm_args`) both call `parse`, so values, bounds and messages agree.
+    `kind` is int, bool or str (a path or URL, which must not be empty).
+    """
+
     field: str
     kind: type
     minimum: int = 0
@@ -164,36 +180,78 @@ class _Setting:
         return {int: "an integer", bool: "true or false", str: "a path"}[self.kind]
 
     def parse(self, key: str, raw: Any) -> Any:
+        """`raw` as a checked value: ints or decimal strings, bools or true/false/1/0/yes/no/on/off."""
+        value = self._convert(raw)
+        if value is _INVALID:
+            raise StoreConfigError(f"{flag_names(key)}: expected {self.kind_name}, got {raw!r}")
+        self.check(key, value)
+        return value
+
+    def check(self, key: str, value: Any) -> None:
+        """Type and bounds of an already converted value (also of StoreOptions built directly)."""
+        if value is None and self.optional:
+            return
+        if not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool)):
+            raise StoreConfigError(f"{flag_names(key)}: expected {self.kind_name}, got {value!r}")
+        if self.kind is int and value < self.minimum:
+            raise StoreConfigError(f"{flag_names(key)}: must be >= {self.minimum}, got {value}")
+        if self.kind is str and not value:
+            raise StoreConfigError(f"{flag_names(key)}: must not be empty")
+
+    def _convert(self, raw: Any) -> Any:
         if raw is None and self.optional:
             return None
         if self.kind is bool:
             if isinstance(raw, bool):
                 return raw
-            if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
-                return raw.lower() in ("true", "1")
+            if isinstance(raw, str) and raw.strip().lower() in _TRUE_WORDS + _FALSE_WORDS:
+                return raw.strip().lower() in _TRUE_WORDS
         elif self.kind is int:
             if isinstance(raw, int) and not isinstance(raw, bool):
                 return raw
-            if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+            if isinstance(raw, str) and _INTEGER.fullmatch(raw.strip()):
                 return int(raw)
         elif isinstance(raw, str | os.PathLike):
             return os.fspath(raw)
-        raise StoreConfigError(f"{flag_names(key)}: expected {self.kind_name}, got {raw!r}")
+        return _INVALID
 
 
-#: extra-config key -> field, type and lower bound (ds4's `parse_options` rules).
-_SETTINGS: dict[str, _Setting] = {
-    "kv_disk_dir": _Setting("disk_dir", str),
-    "kv_disk_space_mb": _Setting("disk_space_mb", int, minimum=1),
-    "kv_cache_min_tokens": _Setting("min_tokens", int, minimum=1),
-    "kv_cache_cold_max_tokens": _Setting("cold_max_tokens", int),
-    "kv_cache_continued_interval_tokens": _Setting("continued_interval_tokens", int),
-    "kv_cache_boundary_trim_tokens": _Setting("boundary_trim_tokens", int),
-    "kv_cache_boundary_align_tokens": _Setting("boundary_align_tokens", int),
-    "kv_cache_reject_different_quant": _Setting("reject_different_quant", bool),
-    "tool_memory_max_ids": _Setting("tool_memory_max_ids", int, minimum=1),
-    "trace": _Setting("trace", str, optional=True),
+#: THE table of disk-cache settings: extra-config key -> StoreOptions field, type and lower bound
+#: (ds4's `parse_options` rules). The ds4 flag is the key with dashes (`setting_flag`); the
+#: `vllm serve` rewrite derives its flags from here. A new setting is one row here plus a
+#: StoreOptions field with its default (tests/store/test_options.py checks they match).
+SETTINGS: dict[str, Setting] = {
+    "kv_disk_dir": Setting("disk_dir", str),
+    "kv_disk_space_mb": Setting("disk_space_mb", int, minimum=1),
+    "kv_cache_min_tokens": Setting("min_tokens", int, minimum=1),
+    "kv_cache_cold_max_tokens": Setting("cold_max_tokens", int),
+    "kv_cache_continued_interval_tokens": Setting("continued_interval_tokens", int),
+    "kv_cache_boundary_trim_tokens": Setting("boundary_trim_tokens", int),
+    "kv_cache_boundary_align_tokens": Setting("boundary_align_tokens", int),
+    "kv_cache_reject_different_quant": Setting("reject_different_quant", bool),
+    "kv_write_queue_mb": Setting("write_queue_mb", int, minimum=1),
+    "trace": Setting("trace", str, optional=True),
+}
+
+#: ds4 settings this plugin does not implement yet, with why: named clearly instead of "unknown".
+NOT_SUPPORTED_YET: dict[str, str] = {
+    "tool_memory_max_ids": "ds4's tool-call id memory (the KTM trailer) is not implemented yet",
 }
 
 #: Every key `from_extra_config` accepts.
-SETTING_KEYS = tuple(_SETTINGS)
+SETTING_KEYS = tuple(SETTINGS)
+
+
+def setting_for(key: str, *, spelled: str | None = None) -> Setting:
+    """The setting of a normalized key; unknown or not-yet-supported keys raise StoreConfigError.
+
+    `spelled` is the key as the user wrote it, for the message.
+    """
+    setting = SETTINGS.get(key)
+    if setting is not None:
+        return setting
+    if key in NOT_SUPPORTED_YET:
+        raise StoreConfigError(f"{flag_names(key)}: not supported yet: {NOT_SUPPORTED_YET[key]}")
+    close = difflib.get_close_matches(key, list(SETTINGS), n=1)
+    hint = f"; did you mean {flag_names(close[0])}?" if close else ""
+    raise StoreConfigError(f"unknown disk-cache setting {spelled or key!r}{hint}")

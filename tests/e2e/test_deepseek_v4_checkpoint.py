@@ -1,8 +1,8 @@
-"""A transformers-saved DeepseekV4ForCausalLM checkpoint served by our model with one override.
+"""A transformers-saved DeepseekV4ForCausalLM checkpoint served by our model with one flag.
 
 Runs two real engines (in subprocesses): the default model `ds4`, and the same weights re-saved
-by transformers (`model_type: deepseek_v4`) loaded with hf_overrides architectures=Ds4ForCausalLM.
-Greedy outputs must be identical.
+by transformers (`model_type: deepseek_v4`) loaded with `config_format="ds4"` (`--config-format
+ds4`). Greedy outputs must be identical.
 """
 
 import json
@@ -77,7 +77,7 @@ def test_deepseek_v4_dir_matches_default_model(tmp_path: Path) -> None:
         {
             "model": str(v4_dir),
             "tokenizer": str(model_dir),
-            "hf_overrides": {"architectures": ["Ds4ForCausalLM"]},
+            "config_format": "ds4",
         },
         env,
         script,

@@ -1,0 +1,76 @@
+"""`--config-format ds4`: vLLM reads any DeepSeek V4 directory as our `Ds4Config`.
+
+For `model_type: deepseek_v4` vLLM's own "hf" parser picks vLLM's DeepseekV4Config, and with it
+vLLM's DeepSeek V4 special cases (MLA, CPU block size, its tokenizer mode), before any
+`--hf-overrides` applies. A registered config format is vLLM's public way to choose the config
+class instead: `vllm serve DIR --config-format ds4`, `LLM(DIR, config_format="ds4")`.
+Directories that already say `model_type: ds4` (the default model) load without it.
+
+Imports vLLM: only `ds4_vllm.register()` imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+from transformers import PreTrainedConfig
+from vllm.transformers_utils.config import get_config_parser, register_config_parser
+from vllm.transformers_utils.config_parser_base import ConfigParserBase
+
+from ds4_vllm.model.config import DS4_ARCHITECTURE, DS4_MODEL_TYPE, Ds4Config
+
+CONFIG_FORMAT = "ds4"
+#: config.json model types this format reads: ours and transformers' DeepSeek V4.
+READABLE_MODEL_TYPES = (DS4_MODEL_TYPE, "deepseek_v4")
+
+logger = logging.getLogger(__name__)
+
+
+class Ds4ConfigParser(ConfigParserBase):
+    """Parse config.json as `Ds4Config` served by `Ds4ForCausalLM`, whatever its flavour says."""
+
+    def parse(
+        self,
+        model: str | Path,
+        trust_remote_code: bool,
+        revision: str | None = None,
+        code_revision: str | None = None,
+        **kwargs: Any,
+    ) -> tuple[dict[str, Any], PreTrainedConfig]:
+        # vLLM applies `hf_overrides` to the result itself; no remote code is involved.
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("hf_overrides", "trust_remote_code")}
+        kwargs.setdefault("local_files_only", huggingface_hub.constants.HF_HUB_OFFLINE)
+        config_dict, _ = PreTrainedConfig.get_config_dict(
+            model, revision=revision, code_revision=code_revision, **kwargs
+        )
+        model_type = config_dict.get("model_type")
+        if model_type not in READABLE_MODEL_TYPES:
+            raise ValueError(
+                f"--config-format {CONFIG_FORMAT} reads DeepSeek V4 directories (model_type "
+                f"{' or '.join(map(repr, READABLE_MODEL_TYPES))}); {model} has model_type {model_type!r}"
+            )
+        config = Ds4Config.from_config_dict(config_dict)
+        if config.architectures != [DS4_ARCHITECTURE]:
+            logger.info(
+                "Loading %s (model_type %r, architectures %s) as Ds4Config for %s",
+                model,
+                model_type,
+                config.architectures,
+                DS4_ARCHITECTURE,
+            )
+            config.architectures = [DS4_ARCHITECTURE]
+        config.name_or_path = str(model)
+        return config_dict, config
+
+
+def register_config_format() -> None:
+    """Make `--config-format ds4` known to vLLM (once per process: re-registering logs a warning)."""
+    try:
+        registered = isinstance(get_config_parser(CONFIG_FORMAT), Ds4ConfigParser)
+    except ValueError:  # vLLM's answer for an unknown format
+        registered = False
+    if not registered:
+        register_config_parser(CONFIG_FORMAT)(Ds4ConfigParser)

@@ -1,0 +1,121 @@
+"""vLLM 0.32.x: the patches ds4-vllm still needs, each with the reason no public hook does it.
+
+1. The model name `ds4`. vLLM has no hook for resolving model names (a model is a local path,
+   a hub id or a cloud URI). `EngineArgs.__post_init__` loads plugins and then, under
+   HF_HUB_OFFLINE=1, maps names through `arg_utils.get_model_path`; `create_engine_config`
+   reads the config (speculator check, then ModelConfig). We wrap both so `LLM(model="ds4")`
+   and `EngineArgs(model="ds4")` mean the default model directory. (The first EngineArgs is
+   already inside `__post_init__` when plugins load, so wrapping `__post_init__` would miss it.)
+2. `vllm serve` flags. vLLM's CLI has a fixed list of subcommands and no hook for plugin flags,
+   but it loads general plugins while building the `serve` parser
+   (`AsyncEngineArgs.add_cli_args`), before `FlexibleArgumentParser.parse_args` reads
+   `sys.argv`. The launching process rewrites `sys.argv` there (`ds4_vllm.cli.vllm_args`), so
+   `vllm serve --model ds4 --kv-connector ds4disk --kv-disk-dir D` works. `ds4-vllm serve`
+   applies the same rewrite without depending on this.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import sys
+from typing import Any
+
+#: Every vLLM name this module patches or relies on privately, with what it does with it.
+PATCHED_NAMES: dict[str, str] = {
+    "vllm.engine.arg_utils.EngineArgs.create_engine_config": (
+        "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config"
+    ),
+    "vllm.engine.arg_utils.get_model_path": (
+        "module global replaced: EngineArgs.__post_init__ calls it under HF_HUB_OFFLINE=1"
+    ),
+    "vllm.engine.arg_utils.AsyncEngineArgs.add_cli_args": (
+        "relied on: loads general plugins while `vllm serve` builds its parser"
+    ),
+    "vllm.engine.arg_utils.load_general_plugins": "relied on: the call above",
+    "vllm.utils.argparse_utils.FlexibleArgumentParser.parse_args": (
+        "relied on: parses sys.argv[1:] (rewritten by the plugin) after plugins loaded"
+    ),
+}
+
+#: Public vLLM names ds4-vllm uses; checked with PATCHED_NAMES so an upgrade shows all breaks.
+PUBLIC_NAMES: tuple[str, ...] = (
+    "vllm.ModelRegistry.register_model",
+    "vllm.ModelRegistry.get_supported_archs",
+    "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory.register_connector",
+    "vllm.transformers_utils.config.register_config_parser",
+    "vllm.transformers_utils.config.get_config_parser",
+    "vllm.transformers_utils.config_parser_base.ConfigParserBase",
+    "vllm.engine.arg_utils.EngineArgs.config_format",
+    "vllm.engine.arg_utils.EngineArgs.tokenizer",
+    "vllm.engine.arg_utils.EngineArgs.served_model_name",
+    "vllm.engine.arg_utils.EngineArgs.kv_cache_memory_bytes",
+    "vllm.config.kv_transfer.KVTransferConfig.kv_load_failure_policy",
+    "vllm.entrypoints.cli.main.main",
+    # the ds4disk connector
+    "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1.build_connector_worker_meta",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1.requires_kv_delivery",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorWorkerMetadata",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base.SupportsHMA",
+    "vllm.v1.outputs.KVConnectorOutput.kv_connector_worker_meta",
+    "vllm.forward_context.ForwardContext",  # its declared field additional_kwargs carries StepHidden
+    "vllm.forward_context.is_forward_context_available",
+    "vllm.engine.arg_utils.EngineArgs.shutdown_timeout",  # SIGTERM drain: time for shutdown saves
+)
+
+_PATCHED_MARK = "_ds4_patched"
+
+
+def apply() -> None:
+    """Install both patches (idempotent: vLLM loads plugins once per process, tests more often)."""
+    resolve_default_model_name()
+    rewrite_sys_argv_for_serve()
+
+
+def resolve_default_model_name() -> None:
+    """Make `LLM(model="ds4")` and any `EngineArgs(model="ds4")` use the default model directory."""
+    from vllm.engine import arg_utils
+
+    if getattr(arg_utils.EngineArgs.create_engine_config, _PATCHED_MARK, False):
+        return
+    original_create = arg_utils.EngineArgs.create_engine_config
+    original_get_model_path = arg_utils.get_model_path
+
+    @functools.wraps(original_create)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from ds4_vllm import resolve_default_model
+
+        resolve_default_model(self)
+        return original_create(self, *args, **kwargs)
+
+    @functools.wraps(original_get_model_path)
+    def get_model_path(model: Any, revision: str | None = None) -> Any:
+        from ds4_vllm import DEFAULT_MODEL_NAME
+
+        if model == DEFAULT_MODEL_NAME:
+            from ds4_vllm.model.default_model import default_model_dir
+
+            return str(default_model_dir())
+        return original_get_model_path(model, revision)
+
+    setattr(create_engine_config, _PATCHED_MARK, True)
+    arg_utils.EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    arg_utils.get_model_path = get_model_path
+
+
+def rewrite_sys_argv_for_serve() -> None:
+    """Rewrite a `vllm serve` command line in `sys.argv` before vLLM parses it.
+
+    Only the launching process rewrites: processes vLLM spawns inherit the rewritten argv and
+    receive parsed configs anyway. Other programs (argv[1] is not `serve`) are left alone.
+    """
+    if multiprocessing.parent_process() is not None or sys.argv[1:2] != ["serve"]:
+        return
+    from ds4_vllm.cli.vllm_args import ArgvError, rewrite_serve_argv
+    from ds4_vllm.model.default_model import default_model_dir
+
+    try:
+        sys.argv[1:] = rewrite_serve_argv(sys.argv[1:], lambda: str(default_model_dir()))
+    except ArgvError as e:
+        sys.stderr.write(f"vllm serve: error: {e}\n")
+        raise SystemExit(2) from None
