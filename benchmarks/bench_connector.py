@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 from reporting import (
+    ds4disk_config,
     machine_info,
     make_engine,
     print_table,
@@ -80,11 +81,7 @@ def flush(llm: Any, directory: Path | None) -> None:
 def connector_engine(args: argparse.Namespace, directory: Path | None) -> Any:
     extra: dict[str, Any] = {}
     if directory is not None:
-        extra["kv_transfer_config"] = {
-            "kv_connector": "ds4disk",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kv_disk_dir": str(directory)},
-        }
+        extra["kv_transfer_config"] = ds4disk_config(directory)
     return make_engine(
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -25,10 +25,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 # Engines, prompts and sampling are the tests' own, so benchmarks measure what tests check.
-from tests.model.engine_helpers import greedy, random_prompts, shutdown_engine  # noqa: E402
+from tests.model.engine_helpers import ds4disk_config, greedy, random_prompts, shutdown_engine  # noqa: E402
 from tests.model.engine_helpers import make_engine as make_test_engine  # noqa: E402
 
-__all__ = ["greedy", "random_prompts", "shutdown_engine", "make_engine", "machine_info"]
+__all__ = ["ds4disk_config", "greedy", "random_prompts", "shutdown_engine", "make_engine", "machine_info"]
 
 
 def machine_info() -> dict[str, Any]:

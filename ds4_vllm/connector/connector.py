@@ -1,14 +1,14 @@
 """``ds4disk``: vLLM KV connector keeping DeepSeek V4 state as KVC checkpoint files on disk.
 
 A facade: the constructor translates vLLM's config once and builds the half for
-its role; every hook delegates. Scheduler side (engine core):
-``get_num_new_matched_tokens`` (disk lookup, may repeat), ``update_state_after_alloc``,
-``build_connector_meta`` (load and save jobs), ``request_finished_all_groups``
-(save a finished conversation, holding its blocks). Worker side:
-``register_kv_caches``, ``start_load_kv`` (loads, finished-request saves),
-``wait_for_save`` (in-step saves), ``get_transfer_results`` (loads done or failed,
-saves of finished requests done). Loads are asynchronous, so a failed one takes vLLM's
-recompute path.
+its role; every hook delegates. Scheduler side (engine core, owns the store):
+``get_num_new_matched_tokens`` (lookup, may repeat), ``update_state_after_alloc``,
+``build_connector_meta`` (load and save jobs), ``update_connector_output`` (how the
+worker's loads and writes ended), ``request_finished_all_groups`` (save a finished
+conversation, holding its blocks). Worker side: ``register_kv_caches``,
+``start_load_kv`` (loads, finished-request saves), ``wait_for_save`` (in-step saves),
+``get_transfer_results`` and ``build_connector_worker_meta`` (results back).
+Loads are asynchronous, so a failed one takes vLLM's recompute path.
 DS4's cache layers never call the per-layer save/load hooks.
 """
 
@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ds4_vllm.connector.metadata import Ds4DiskMetadata
+from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata
 from ds4_vllm.connector.metrics import Ds4DiskPromMetrics, Ds4DiskStats, StatsDelta
 from ds4_vllm.model.kv_layout import Ds4KVLayout
 from ds4_vllm.store import StoreOptions
@@ -88,6 +88,21 @@ def kv_layout(vllm_config: VllmConfig, kv_cache_config) -> Ds4KVLayout:
     return Ds4KVLayout(vllm_config.model_config.hf_config, role_of)
 
 
+def _require_recompute_policy(vllm_config: VllmConfig) -> None:
+    """A checkpoint that fails to load must mean "recompute", never a failed request.
+
+    vLLM's default is "fail" and vLLM reads the policy from the config, so it is the user's
+    setting (`--kv-connector ds4disk` sets it); anything else is refused, naming the key.
+    """
+    policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+    if policy != "recompute":
+        raise ValueError(
+            f"ds4disk needs kv_transfer_config.kv_load_failure_policy = 'recompute' (got {policy!r}): "
+            "a checkpoint that cannot be loaded must be recomputed, not fail the request. "
+            'Add "kv_load_failure_policy": "recompute" to --kv-transfer-config, or use --kv-connector ds4disk.'
+        )
+
+
 class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -99,14 +114,18 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from ds4_vllm.connector.scheduler import Ds4DiskScheduler
 
-            # A checkpoint that fails to load must mean "recompute", never a failed request.
-            vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.scheduler = Ds4DiskScheduler(vllm_config, options, layout.dims)
+            _require_recompute_policy(vllm_config)
+            self.scheduler = Ds4DiskScheduler(vllm_config, options, layout)
         else:
             from ds4_vllm.connector.worker import Ds4DiskWorker
 
             quant_bits = int(getattr(vllm_config.model_config.hf_config, "routed_expert_quant_bits", 4))
             self.worker = Ds4DiskWorker(options, layout, vllm_config.model_config.max_model_len, quant_bits)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save lost to preemption is a later miss, never a wrong answer."""
+        return False
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -127,8 +146,11 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self.scheduler.load_finished(
-            set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
+        worker_meta = connector_output.kv_connector_worker_meta
+        self.scheduler.worker_results(
+            set(connector_output.finished_recving or ()),
+            set(connector_output.failed_recving or ()),
+            worker_meta if isinstance(worker_meta, Ds4DiskWorkerMetadata) else None,
         )
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -159,6 +181,9 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving, failed = self.worker.take_results()
         return KVConnectorTransferResults(sending, recving, failed)
 
+    def build_connector_worker_meta(self) -> Ds4DiskWorkerMetadata | None:
+        return self.worker.take_worker_meta()
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
@@ -166,8 +191,8 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ metrics (both sides)
 
     def get_kv_connector_stats(self) -> Ds4DiskStats | None:
-        half = self.scheduler if self.scheduler is not None else self.worker
-        delta = self.stats_delta.take(half.store.stats)
+        stats = self.scheduler.store.stats if self.scheduler is not None else self.worker.stats.snapshot()
+        delta = self.stats_delta.take(stats)
         return Ds4DiskStats(data=delta) if delta else None
 
     @classmethod

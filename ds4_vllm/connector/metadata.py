@@ -1,48 +1,71 @@
-"""Jobs the scheduler side hands to the worker side each step (pickled across processes)."""
+"""What the two connector halves send each other every step (pickled across processes).
+
+Scheduler -> worker: `Ds4DiskMetadata` (loads to run before the forward, saves to copy out).
+Worker -> scheduler: `Ds4DiskWorkerMetadata` (how writes and loads ended), which vLLM merges
+across workers with `aggregate` and hands to the scheduler half in `update_connector_output`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from ds4_vllm.kvc import KvcHeader
+from ds4_vllm.store import LoadReport, LookupOutcome, WriteReport, WriteTicket
 
 BlockIds = tuple[list[int], ...]  # one list of block ids per KV cache group
 
 
 @dataclass
 class LoadJob:
-    """Scheduler -> worker: restore ``n_tokens`` tokens of state from ``path`` before the forward.
+    """Restore the state `outcome` chose before the forward.
 
-    Positions below ``start`` are already in vLLM's memory (a local prefix-cache hit)
-    and are left untouched.
+    Positions below `start` are already in vLLM's memory (a local prefix-cache hit) and
+    are left untouched. The worker serves an in-flight checkpoint from its copy in memory.
     """
 
     req_id: str
-    path: str
-    n_tokens: int
+    outcome: LookupOutcome
     start: int
     block_ids: BlockIds
 
 
 @dataclass
 class SaveJob:
-    """Scheduler -> worker: checkpoint the state after ``n_tokens`` tokens of one request.
+    """Checkpoint the state after `ticket.n_tokens` tokens of one request.
 
-    ``after_finish`` jobs save a finished request from blocks the connector holds; the
-    worker reports ``req_id`` as finished sending once it has copied them, which
-    releases the blocks.
+    `after_finish` jobs save a finished request from blocks the connector holds; the
+    worker reports `req_id` as finished sending once it has copied them, which releases
+    the blocks. `flush` jobs (shutdown saves) are written before the step returns.
     """
 
     req_id: str
-    n_tokens: int
-    reason: int
+    ticket: WriteTicket
+    header: KvcHeader
     text: bytes
     tokens: list[int]
     block_ids: BlockIds
     after_finish: bool = False
+    flush: bool = False
 
 
 @dataclass
 class Ds4DiskMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class Ds4DiskWorkerMetadata(KVConnectorWorkerMetadata):
+    writes: list[WriteReport] = field(default_factory=list)
+    loads: dict[str, LoadReport] = field(default_factory=dict)  # by request id
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> Ds4DiskWorkerMetadata:
+        if isinstance(other, Ds4DiskWorkerMetadata):
+            self.writes.extend(other.writes)
+            for req_id, report in other.loads.items():
+                mine = self.loads.get(req_id)
+                if mine is None or (mine.ok and not report.ok):  # one failed rank fails the load
+                    self.loads[req_id] = report
+        return self

@@ -24,6 +24,8 @@ COUNTERS = {
     "bytes_written": "Bytes of checkpoint files written",
     "load_seconds": "Time spent restoring checkpoints",
     "save_seconds": "Time spent writing checkpoints (background writer)",
+    "save_wait_seconds": "Time engine steps waited for room in the writer queue (back-pressure)",
+    "saves_dropped": "Checkpoints not saved because the writer queue stayed full (--kv-write-queue-mb)",
     "files_evicted": "Checkpoint files removed to stay within --kv-disk-space-mb",
     "failures": "Failed loads and stores (each fell back to recomputation)",
 }

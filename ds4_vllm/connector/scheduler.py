@@ -1,27 +1,38 @@
 """Scheduler side of ds4disk: disk lookups, load jobs and save points, in the engine core.
 
 Everything here is decided from token ids and byte text; the worker side moves
-the tensors. vLLM may call ``get_num_new_matched_tokens`` several times for one
-request, so it only looks (and remembers the answer); files are touched when a
-load is actually scheduled.
+the tensors. This half owns the directory's store (`CheckpointStore`): lookups, pins,
+the budget, eviction and nested copies are decided in this one process, and the worker
+reports back how each write and load ended (`Ds4DiskWorkerMetadata`). vLLM may call
+``get_num_new_matched_tokens`` several times for one request, so it only looks (and
+remembers the answer); files are touched when a load is actually scheduled.
+
+A lookup also sees checkpoints handed to the writer but not yet on disk, so a turn that
+follows its predecessor quickly still loads the state that turn just saved (the worker
+serves it from memory). On SIGTERM (vLLM's graceful `--shutdown-timeout` drain) the state
+of every request in the next step is saved with reason `shutdown`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from ds4_vllm.connector.metadata import Ds4DiskMetadata, LoadJob, SaveJob
+from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
 from ds4_vllm.connector.token_text import TokenText
-from ds4_vllm.kvc import ModelDims, SaveReason
+from ds4_vllm.kvc import KvcHeader, PayloadHeader, SaveReason, payload_size
+from ds4_vllm.model.kv_layout import Ds4KVLayout
 from ds4_vllm.store import (
     CacheDecision,
     CheckpointStore,
+    LoadReport,
     LookupOutcome,
     SaveDecision,
     StoreOptions,
@@ -55,15 +66,19 @@ class PendingLoad:
 
 
 class Ds4DiskScheduler:
-    def __init__(self, vllm_config: VllmConfig, options: StoreOptions, dims: ModelDims) -> None:
+    def __init__(self, vllm_config: VllmConfig, options: StoreOptions, layout: Ds4KVLayout) -> None:
         model_config = vllm_config.model_config
         self.options = options
+        self.layout = layout
         self.ctx_size = model_config.max_model_len
         self.quant_bits = int(getattr(model_config.hf_config, "routed_expert_quant_bits", 4))
         self.token_text = TokenText.from_tokenizer_dir(model_config.tokenizer)
         self.user_id = self.token_text.token_id(USER_TOKEN) or -1
         self.assistant_id = self.token_text.token_id(ASSISTANT_TOKEN) or -1
-        self.store = CheckpointStore(options, model_dims=dims).open()
+        self.store = CheckpointStore(options, model_dims=layout.dims).open()
+        self.shutdown_requested = False
+        self.shutdown_saved = False
+        _chain_shutdown_signal(self._on_shutdown_signal)
         self.trace = TraceWriter(options.trace) if options.trace else None
         self.kv_cache_manager = None
         self.requests: dict[str, RequestState] = {}
@@ -134,9 +149,7 @@ class Ds4DiskScheduler:
                 continue
             del self.pending_loads[req_id]
             outcome = pending.outcome
-            meta.loads.append(
-                LoadJob(req_id, outcome.path, outcome.entry_tokens, pending.start, self._block_ids(req_id))
-            )
+            meta.loads.append(LoadJob(req_id, outcome, pending.start, self._block_ids(req_id)))
             self.loading[req_id] = outcome
             state = self.requests[req_id]
             state.last_stored = outcome.entry_tokens
@@ -145,6 +158,7 @@ class Ds4DiskScheduler:
                 disk_cached_tokens=outcome.entry_tokens,
                 disk_file=outcome.path,
                 disk_entry_tokens=outcome.entry_tokens,
+                disk_in_flight=outcome.in_flight,
             )
 
         for new in scheduler_output.scheduled_new_reqs:
@@ -156,7 +170,29 @@ class Ds4DiskScheduler:
 
         meta.saves.extend(self.finished_saves)
         self.finished_saves = []
+        if self.shutdown_requested and not self.shutdown_saved:
+            self._add_shutdown_saves(meta, scheduler_output)
         return meta
+
+    def _add_shutdown_saves(self, meta: Ds4DiskMetadata, output: SchedulerOutput) -> None:
+        """The state every request holds after this step, saved as `shutdown` and flushed."""
+        self.shutdown_saved = True
+        ends = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        ends.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, computed in ends.items():
+            state = self.requests.get(req_id)
+            end = computed + output.num_scheduled_tokens.get(req_id, 0)
+            if state is None or end < self.options.min_tokens or end <= state.last_stored:
+                continue
+            job = self._save_job(
+                req_id, state, SaveDecision(end, SaveReason.SHUTDOWN), self._block_ids(req_id)
+            )
+            if job is not None:
+                job.flush = True
+                meta.saves.append(job)
+                state.last_stored = end
+        logger.info("kv cache shutdown: saving the state of %d running requests", len(meta.saves))
 
     def _plan_request(self, req_id: str, cached_tokens: int) -> None:
         state = self.requests.get(req_id)
@@ -199,31 +235,53 @@ class Ds4DiskScheduler:
         for point in points:
             if point.tokens <= state.last_stored:
                 continue
-            meta.saves.append(self._save_job(req_id, state, point, self._block_ids(req_id)))
+            job = self._save_job(req_id, state, point, self._block_ids(req_id))
+            if job is not None:
+                meta.saves.append(job)
             state.last_stored = point.tokens
 
-    def _save_job(self, req_id: str, state: RequestState, point: SaveDecision, block_ids, **kw) -> SaveJob:
+    def _save_job(
+        self, req_id: str, state: RequestState, point: SaveDecision, block_ids, **kw
+    ) -> SaveJob | None:
+        """A save the store admitted (budget reserved, visible to lookups), or None."""
         tokens = list(state.request.all_token_ids[: point.tokens])
-        return SaveJob(
-            req_id, point.tokens, int(point.reason), self.token_text.text(tokens), tokens, block_ids, **kw
+        text = self.token_text.text(tokens)
+        header = KvcHeader.new(
+            quant_bits=self.quant_bits, reason=point.reason, tokens=point.tokens, ctx_size=self.ctx_size
         )
+        admission = self.store.admit(
+            text, tokens, header, self._file_size(len(text), point.tokens), conversation_key=req_id
+        )
+        if admission.ticket is None:
+            return None
+        return SaveJob(req_id, admission.ticket, header, text, tokens, block_ids, **kw)
+
+    def _file_size(self, text_bytes: int, n_tokens: int) -> int:
+        n_comp, n_index = self.layout.counts(n_tokens)
+        header = PayloadHeader.build(self.layout.dims, ctx_size=self.ctx_size, n_tokens=n_tokens)
+        return self.store.file_size(text_bytes, payload_size(header, n_comp, n_index))
 
     def _block_ids(self, req_id: str):
         return tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
 
     # ------------------------------------------------------------------ finish
 
-    def load_finished(self, loaded: set[str], failed: set[str]) -> None:
-        """Worker results of loads (vLLM passes them on once per step)."""
-        for req_id in loaded - failed:
+    def worker_results(
+        self, loaded: set[str], failed: set[str], worker_meta: Ds4DiskWorkerMetadata | None
+    ) -> None:
+        """What the worker did last step: writes ended, loads done or failed."""
+        reports = worker_meta.loads if worker_meta is not None else {}
+        for write in worker_meta.writes if worker_meta is not None else ():
+            self.store.finish_write(write)
+        for req_id in loaded | failed:
             outcome = self.loading.pop(req_id, None)
-            if outcome is not None:
-                self.store.unpin(outcome.path)
-                self.store.record_hit(outcome)
+            if outcome is None:
+                continue
+            ok = req_id not in failed
+            report = reports.get(req_id) or LoadReport(outcome.path, ok, "" if ok else "load failed")
+            self.store.finish_load(outcome, report)
+            self.store.unpin(outcome.path)
         for req_id in failed:
-            outcome = self.loading.pop(req_id, None)
-            if outcome is not None:
-                self.store.unpin(outcome.path)
             # vLLM resets the request to recompute; it must not be offered the file again.
             self.lookups[req_id] = (self.lookups.get(req_id, (0, None))[0], None)
             state = self.requests.get(req_id)
@@ -244,19 +302,57 @@ class Ds4DiskScheduler:
         if state is None:
             return False, None
         # The finished conversation's whole state (prompt + generated, less the last sampled
-        # token, which was never fed), while vLLM still holds it.
-        decision = finished_save(self.options, request.num_computed_tokens, state.last_stored)
+        # token, which was never fed), while vLLM still holds it. Requests vLLM aborts on the
+        # way out of a stop are saved as `shutdown`.
+        decision = finished_save(
+            self.options, request.num_computed_tokens, state.last_stored, shutdown=self.shutdown_requested
+        )
         if decision is None:
             return False, None
         job = self._save_job(
-            req_id, state, decision, tuple(list(ids) for ids in block_ids), after_finish=True
+            req_id,
+            state,
+            decision,
+            tuple(list(ids) for ids in block_ids),
+            after_finish=True,
+            flush=self.shutdown_requested,
         )
+        if job is None:
+            return False, None
         self.finished_saves.append(job)
         return True, None
+
+    def _on_shutdown_signal(self) -> None:
+        if not self.shutdown_requested:
+            self.shutdown_requested = True
+            logger.info("kv cache shutdown requested: running requests will be saved as 'shutdown'")
 
     def shutdown(self) -> None:
         if self.trace is not None:
             self.trace.close()
+
+
+def _chain_shutdown_signal(callback) -> None:
+    """Call `callback` on SIGTERM/SIGINT before vLLM's own handler (vLLM has no shutdown hook).
+
+    vLLM's engine core installs its handlers before it builds the scheduler, so chaining here
+    keeps them. Outside the main thread (an engine embedded in a thread) nothing is chained.
+    """
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous = signal.getsignal(signum)
+
+            def handler(sig, frame, previous=previous):
+                callback()
+                if callable(previous):
+                    previous(sig, frame)
+                elif previous == signal.SIG_DFL:  # what the signal would have done without us
+                    signal.signal(sig, signal.SIG_DFL)
+                    os.kill(os.getpid(), sig)
+
+            signal.signal(signum, handler)
+        except ValueError:  # not the main thread
+            return
 
 
 def _with(decision: CacheDecision | None, **changes) -> CacheDecision:

@@ -1,31 +1,50 @@
-"""Worker side of ds4disk: copies rows between vLLM's paged caches and KVC files.
+"""Worker side of ds4disk: copies rows between vLLM's paged caches and KVC checkpoints.
 
-Loads run before the forward that needs them (sync loads). Saves copy the rows
-out of the cache inside the step (after the forward, or, for finished requests,
-from blocks the connector holds) and hand the copies to a background writer, so
-serialisation and disk I/O never stall the engine loop.
+Loads run before the forward that needs them; each is verified (`CheckpointWriter.open_verified`)
+or, for a checkpoint still waiting for the disk, served from the copy in memory. Saves copy the
+rows out of the cache inside the step (after the forward, or, for finished requests, from blocks
+the connector holds) and hand the copies to a background writer through a queue bounded by bytes,
+so serialisation and disk I/O never stall the engine loop unless the disk falls behind by more
+than the bound (then the step waits: back-pressure). Every save ends in exactly one
+`WriteReport` to the scheduler half, which owns all policy decisions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import queue
+import os
 import threading
 import time
 
 import numpy as np
 import torch
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from ds4_vllm.connector.metadata import Ds4DiskMetadata, LoadJob, SaveJob
-from ds4_vllm.kvc import KvcHeader, PayloadData, PayloadHeader, SaveReason
+from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
+from ds4_vllm.kvc import PayloadData, PayloadHeader, SaveReason
 from ds4_vllm.model.kv_layout import Ds4KVLayout, StateUnavailable
-from ds4_vllm.store import CheckpointStore, StoreOptions
+from ds4_vllm.model.model import STEP_HIDDEN_KEY
+from ds4_vllm.store import (
+    CheckpointWriter,
+    LoadFailure,
+    LoadReport,
+    StoreOptions,
+    StoreStats,
+    WriteQueue,
+    WriteReport,
+    tokens_digest,
+)
+from ds4_vllm.store.fs import open_fs
 
 logger = logging.getLogger(__name__)
 
-WRITE_QUEUE_DEPTH = 4  # checkpoints copied out and waiting for the disk; beyond it saves are dropped
-WRITE_QUEUE_WAIT_S = 0.5
+#: How long a step waits for the writer to make room before a save is dropped (counted, logged).
+WRITE_QUEUE_WAIT_S = 60.0
+#: How long a flush (shutdown save) or the final drain waits for the disk.
+FLUSH_TIMEOUT_S = 60.0
+#: Test hook: seconds each background write sleeps first, to simulate a slow disk.
+WRITE_DELAY_ENV = "DS4_VLLM_TEST_WRITE_DELAY_S"
 
 
 class Ds4DiskWorker:
@@ -34,15 +53,20 @@ class Ds4DiskWorker:
         self.layout = layout
         self.ctx_size = ctx_size
         self.quant_bits = quant_bits
-        self.store = CheckpointStore(options, model_dims=layout.dims).open()
+        self.writer = CheckpointWriter(open_fs(options.disk_dir), layout.dims)
+        self.queue = WriteQueue(options.write_queue_bytes, WRITE_QUEUE_WAIT_S)
+        self.write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+        self.stats = StoreStats()  # this side's counters: loads, drops, waits
         self.caches: dict[str, torch.Tensor] = {}
         self.previous_step = None  # the last forward's StepHidden (finished requests ran in it)
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
-        self.queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
-        self.writer = threading.Thread(target=self._write_loop, name="ds4disk-writer", daemon=True)
-        self.writer.start()
+        self._lock = threading.Lock()  # guards the reports the writer thread adds
+        self._write_reports: list[WriteReport] = []
+        self._load_reports: dict[str, LoadReport] = {}
+        self.thread = threading.Thread(target=self._write_loop, name="ds4disk-writer", daemon=True)
+        self.thread.start()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [name for name in self.layout.cache_names() if name not in kv_caches]
@@ -55,101 +79,134 @@ class Ds4DiskWorker:
     # ------------------------------------------------------------------ before the forward
 
     def start_load_kv(self, meta: Ds4DiskMetadata) -> None:
-        for job in meta.loads:
-            self._load(job)
+        # Finished requests first: a load in this same step may want the state they hold.
         for job in meta.saves:
             if job.after_finish:
                 self._save(job, self.previous_step)
                 self.finished_sending.add(job.req_id)
+        for job in meta.loads:
+            self._load(job)
 
     def _load(self, job: LoadJob) -> None:
         started = time.perf_counter()
+        outcome = job.outcome
+        n_tokens = outcome.entry_tokens
+        source = "memory"
         try:
-            checkpoint = self.store.fs.open(job.path)
-            try:
-                payload = checkpoint.payload
-                if payload.header.dims != self.layout.dims or payload.header.n_tokens != job.n_tokens:
-                    raise ValueError("checkpoint does not match the model or the lookup")
-                self.layout.restore(self.caches, job.block_ids, payload.layers, job.n_tokens, start=job.start)
-            finally:
-                checkpoint.close()
-        except Exception as exc:  # any failure means: recompute these tokens
-            logger.warning("kv cache load failed file=%s tokens=%d: %s", job.path, job.n_tokens, exc)
-            self.failed_recving.add(job.req_id)
+            copied = self.queue.find(outcome.sha1)
+            if copied is not None:
+                save, _, layers = copied
+                if tokens_digest(save.tokens[: outcome.agreed_tokens]) != outcome.tokens_digest:
+                    raise LoadFailure(str(outcome.path), "in-flight checkpoint differs from the lookup")
+                self.layout.restore(self.caches, job.block_ids, layers, n_tokens, start=job.start)
+            else:
+                source = "file"
+                with self.writer.open_verified(outcome) as checkpoint:
+                    self.layout.restore(
+                        self.caches, job.block_ids, checkpoint.payload.layers, n_tokens, start=job.start
+                    )
+        except LoadFailure as exc:
+            self._load_failed(job, exc.reason, corrupt=exc.corrupt)
+        except Exception as exc:  # any other failure means: recompute these tokens
+            self._load_failed(job, f"{type(exc).__name__}: {exc}")
+        else:
+            seconds = time.perf_counter() - started
+            self.stats.load_seconds += seconds
             self.finished_recving.add(job.req_id)
-            self.store.record_load(time.perf_counter() - started, failed=True)
-            return
-        self.finished_recving.add(job.req_id)
-        self.store.record_load(time.perf_counter() - started)
-        logger.info(
-            "kv cache loaded tokens=%d file=%s load=%.1f ms",
-            job.n_tokens,
-            job.path,
-            (time.perf_counter() - started) * 1000,
+            with self._lock:
+                self._load_reports[job.req_id] = LoadReport(str(outcome.path), True)
+            logger.info(
+                "kv cache loaded tokens=%d from=%s file=%s load=%.1f ms",
+                n_tokens,
+                source,
+                outcome.path,
+                seconds * 1000,
+            )
+
+    def _load_failed(self, job: LoadJob, reason: str, *, corrupt: bool = False) -> None:
+        logger.warning(
+            "kv cache load refused file=%s tokens=%d: %s", job.outcome.path, job.outcome.entry_tokens, reason
         )
+        self.failed_recving.add(job.req_id)
+        self.finished_recving.add(job.req_id)
+        with self._lock:
+            self._load_reports[job.req_id] = LoadReport(str(job.outcome.path), False, reason, corrupt)
 
     # ------------------------------------------------------------------ after the forward
 
     def wait_for_save(self, meta: Ds4DiskMetadata | None) -> None:
-        step = getattr(_forward_context_or_none(), "ds4_step", None)
-        if meta is not None and step is not None:
+        step = None
+        if is_forward_context_available():
+            step = get_forward_context().additional_kwargs.get(STEP_HIDDEN_KEY)
+        if meta is not None:
             for job in meta.saves:
                 if not job.after_finish:
                     self._save(job, step)
+            if any(job.flush for job in meta.saves) and not self.queue.drain(FLUSH_TIMEOUT_S):
+                logger.warning("kv cache flush timed out after %.0f s", FLUSH_TIMEOUT_S)
         if step is not None:
             self.previous_step = step
 
     def _save(self, job: SaveJob, step) -> None:
-        """Copy the state after ``job.n_tokens`` out of the cache now; write it in the background."""
-        reason = SaveReason(job.reason).name.lower()
+        """Copy the state after the job's tokens out of the cache now; write it in the background."""
+        n_tokens = job.ticket.n_tokens
         group = self.layout.layers[0].raw.group
-        logits = None if step is None else step.logits_at(job.block_ids[group], job.n_tokens - 1)
+        logits = None if step is None else step.logits_at(job.block_ids[group], n_tokens - 1)
         if logits is None:
-            logger.info(
-                "kv cache skipped tokens=%d reason=%s: no logits for the last token", job.n_tokens, reason
-            )
+            self._not_saved(job, "no logits for the last token")
             return
         try:
-            layers = self.layout.extract(self.caches, job.block_ids, job.n_tokens)
+            layers = self.layout.extract(self.caches, job.block_ids, n_tokens)
         except StateUnavailable as exc:
-            logger.info("kv cache skipped tokens=%d reason=%s: %s", job.n_tokens, reason, exc)
+            self._not_saved(job, str(exc))
             return
-        item = (job, logits.cpu().numpy().astype(np.float32), layers)
-        try:
-            self.queue.put(item, timeout=WRITE_QUEUE_WAIT_S)
-        except queue.Full:
-            logger.warning("kv cache skipped tokens=%d reason=%s: writer queue full", job.n_tokens, reason)
+        logits = logits.cpu().numpy().astype(np.float32)
+        nbytes = logits.nbytes + _nbytes(layers)
+        accepted, waited = self.queue.put(job.ticket.sha1, nbytes, (job, logits, layers))
+        self.stats.save_wait_seconds += waited
+        if waited > 1.0:
+            logger.info("kv cache writer behind: step waited %.1f s for queue room", waited)
+        if not accepted:
+            self.stats.saves_dropped += 1
+            self._not_saved(job, f"writer queue full for {waited:.0f} s (--kv-write-queue-mb)", warn=True)
+
+    def _not_saved(self, job: SaveJob, why: str, *, warn: bool = False) -> None:
+        reason = SaveReason(job.header.reason).label
+        (logger.warning if warn else logger.info)(
+            "kv cache skipped tokens=%d reason=%s: %s", job.ticket.n_tokens, reason, why
+        )
+        with self._lock:
+            self._write_reports.append(WriteReport(job.ticket.sha1, job.ticket.path, False, why))
 
     def _write_loop(self) -> None:
         while True:
-            item = self.queue.get()
-            if item is None:
+            taken = self.queue.take()
+            if taken is None:
                 return
-            job, logits, layers = item
+            sha1, (job, logits, layers) = taken
             try:
-                self._write(job, logits, layers)
-            except Exception:  # a failed save must never take the engine down
-                logger.exception("kv cache store failed tokens=%d", job.n_tokens)
-            finally:
-                self.queue.task_done()
+                if self.write_delay_s:
+                    time.sleep(self.write_delay_s)
+                report = self._write(job, logits, layers)
+            except Exception as exc:  # a failed save must never take the engine down
+                logger.exception("kv cache store failed tokens=%d", job.ticket.n_tokens)
+                report = WriteReport(sha1, job.ticket.path, False, f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                self._write_reports.append(report)
+            self.queue.done(sha1)
 
-    def _write(self, job: SaveJob, logits: np.ndarray, layers) -> None:
-        n_comp, n_index = self.layout.counts(job.n_tokens)
-        header = KvcHeader.new(
-            quant_bits=self.quant_bits,
-            reason=SaveReason(job.reason),
-            tokens=job.n_tokens,
-            ctx_size=self.ctx_size,
-        )
+    def _write(self, job: SaveJob, logits: np.ndarray, layers) -> WriteReport:
+        n_tokens = job.ticket.n_tokens
+        n_comp, n_index = self.layout.counts(n_tokens)
         payload = PayloadData(
-            header=PayloadHeader.build(self.layout.dims, ctx_size=self.ctx_size, n_tokens=job.n_tokens),
+            header=PayloadHeader.build(self.layout.dims, ctx_size=self.ctx_size, n_tokens=n_tokens),
             tokens=np.asarray(job.tokens, dtype=np.uint32),
             logits=logits,
             n_comp=n_comp,
             n_index_comp=n_index,
             layers=layers,
         )
-        self.store.store(job.text, header, payload, conversation_key=job.req_id)
+        return self.writer.write(job.ticket, job.text, job.header, payload)
 
     # ------------------------------------------------------------------ reporting
 
@@ -159,17 +216,30 @@ class Ds4DiskWorker:
         self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
         return results
 
+    def take_worker_meta(self) -> Ds4DiskWorkerMetadata | None:
+        """Writes and loads that ended since the last step, for the scheduler half."""
+        with self._lock:
+            writes, loads = self._write_reports, self._load_reports
+            self._write_reports, self._load_reports = [], {}
+        return Ds4DiskWorkerMetadata(writes, loads) if writes or loads else None
+
     def shutdown(self) -> None:
         """Drain the writer so every copied checkpoint reaches the disk before the process exits."""
-        if not self.writer.is_alive():
+        if not self.thread.is_alive():
             return
-        self.queue.join()
-        self.queue.put(None)
-        self.writer.join(timeout=60)
+        if not self.queue.drain(FLUSH_TIMEOUT_S):
+            logger.warning(
+                "kv cache writer did not finish within %.0f s; unwritten saves are lost", FLUSH_TIMEOUT_S
+            )
+        self.queue.close()
+        self.thread.join(timeout=5)
 
 
-def _forward_context_or_none():
-    try:
-        return get_forward_context()
-    except AssertionError:
-        return None
+def _nbytes(layers) -> int:
+    """Memory held by one checkpoint's copied layer arrays."""
+    total = 0
+    for layer in layers:
+        for f in dataclasses.fields(layer):
+            array = getattr(layer, f.name)
+            total += 0 if array is None else array.nbytes
+    return total

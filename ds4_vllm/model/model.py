@@ -61,6 +61,10 @@ class Ds4Model(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
+#: Key of this step's `StepHidden` in the forward context's `additional_kwargs`.
+STEP_HIDDEN_KEY = "ds4_step_hidden"
+
+
 @dataclass
 class StepHidden:
     """This step's final hidden states, left on the forward context for the ds4disk connector.
@@ -134,7 +138,8 @@ class Ds4ForCausalLM(nn.Module):
         hidden = self.model(ids, positions[:count], embeds, metadata)
         if metadata is not None:
             first_raw = metadata[self.model.layers[0].self_attn.swa_cache.prefix]
-            get_forward_context().ds4_step = StepHidden.capture(hidden, first_raw, self.compute_logits)
+            step = StepHidden.capture(hidden, first_raw, self.compute_logits)
+            get_forward_context().additional_kwargs[STEP_HIDDEN_KEY] = step
         if count < total:  # vLLM may pad the batch; padded rows carry no request
             hidden = torch.cat([hidden, hidden.new_zeros(total - count, hidden.shape[-1])])
         return hidden

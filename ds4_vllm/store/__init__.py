@@ -4,7 +4,7 @@ Pure Python + numpy (+ fsspec for remote URLs); no torch, no vLLM (a test enforc
 See docs/connector.md, "Cache policy and flags".
 """
 
-from .checkpoint_store import CheckpointStore, LoadFailure, LookupOutcome, StoreResult
+from .checkpoint_store import Admission, CheckpointStore, StoreResult
 from .options import StoreConfigError, StoreOptions, default_disk_dir
 from .policy import (
     SaveDecision,
@@ -15,10 +15,19 @@ from .policy import (
     plan_prefill_saves,
     store_len,
 )
+from .records import LoadFailure, LoadReport, LookupOutcome, WriteReport, WriteTicket, tokens_digest
 from .stats import StoreStats
 from .trace import CacheDecision, TraceWriter
+from .write_queue import WriteQueue
+from .writer import CheckpointWriter
 
 __all__ = [
+    "Admission",
+    "CheckpointWriter",
+    "LoadReport",
+    "WriteQueue",
+    "WriteReport",
+    "WriteTicket",
     "CacheDecision",
     "CheckpointStore",
     "LoadFailure",
@@ -36,4 +45,5 @@ __all__ = [
     "finished_save",
     "plan_prefill_saves",
     "store_len",
+    "tokens_digest",
 ]

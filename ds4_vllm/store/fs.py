@@ -1,6 +1,6 @@
 """Where checkpoint files live: a local directory (plain OS calls) or an fsspec URL.
 
-`CheckpointStore` needs eight operations on its directory; this module gives them for both
+The store and the writer need these operations on its directory; this module gives them for both
 kinds. Local paths and `file://` go straight to `ds4_vllm.kvc` (mmap loads, atomic
 rename), so the hot path never goes through fsspec. Other URLs (`memory://`, `s3://`, ...)
 go through fsspec: a file is serialized into a local staging folder and uploaded whole,
@@ -32,7 +32,7 @@ from ds4_vllm.kvc import (
     touch_checkpoint,
     write_checkpoint,
 )
-from ds4_vllm.kvc.constants import KV_NAME_RE, PREFIX_BYTES
+from ds4_vllm.kvc.constants import KV_NAME_RE, KV_SUFFIX, PREFIX_BYTES
 from ds4_vllm.kvc.header import unpack_prefix
 
 from .options import is_local_dir, local_path
@@ -55,6 +55,9 @@ class CheckpointFS(Protocol):
         """Changes when files are added or removed (directory mtime); None when unknown."""
 
     def new_index(self) -> CheckpointIndex: ...
+
+    def path_of(self, sha1: str) -> str:
+        """Where the checkpoint whose text has this SHA-1 lives (written or not)."""
 
     def write(self, text: bytes, header: KvcHeader, payload: Any, tool_map: list[ToolMapEntry]) -> str: ...
 
@@ -100,6 +103,9 @@ class LocalFS:
 
     def new_index(self) -> CheckpointIndex:
         return CheckpointIndex(self.directory)
+
+    def path_of(self, sha1: str) -> str:
+        return str(self.directory / f"{sha1}{KV_SUFFIX}")
 
     def write(self, text: bytes, header: KvcHeader, payload: Any, tool_map: list[ToolMapEntry]) -> str:
         return str(write_checkpoint(self.directory, text, header, payload, tool_map, fsync=self.fsync))
@@ -212,6 +218,9 @@ class FsspecFS:
 
     def new_index(self) -> CheckpointIndex:
         return FsspecIndex(self.fs, self.root)
+
+    def path_of(self, sha1: str) -> str:
+        return self._join(f"{sha1}{KV_SUFFIX}")
 
     def write(self, text: bytes, header: KvcHeader, payload: Any, tool_map: list[ToolMapEntry]) -> str:
         with tempfile.TemporaryDirectory(prefix="ds4-kvc-stage-") as stage:

@@ -7,7 +7,7 @@ import dataclasses
 
 @dataclasses.dataclass(slots=True)
 class StoreStats:
-    """Totals since the store opened. Mutated under the store's lock; read a `snapshot()`."""
+    """Totals since the store opened, kept by whichever side counts each; read a `snapshot()`."""
 
     lookups: int = 0
     hits: int = 0
@@ -19,6 +19,8 @@ class StoreStats:
     store_skips: int = 0
     bytes_written: int = 0
     save_seconds: float = 0.0
+    save_wait_seconds: float = 0.0
+    saves_dropped: int = 0
     files_evicted: int = 0
     files_deduplicated: int = 0
     files_quarantined: int = 0

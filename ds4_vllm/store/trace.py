@@ -13,6 +13,7 @@ Block format (one `key: value` per line; values never contain a newline, they ar
     disk_cached_tokens: <loaded from disk>
     disk_cache_file: <path>                 (disk hit only)
     disk_entry_tokens: <tokens in that file> (disk hit only)
+    disk_cache_in_flight: true              (the hit's write had not finished: served from memory)
     disk_miss_reason: <why disk gave nothing or less than the file holds>
     planned_saves: cold@2048 continued@10240 (or "none")
 
@@ -55,6 +56,7 @@ class CacheDecision:
     disk_file: str | None = None
     disk_entry_tokens: int | None = None
     disk_miss_reason: str | None = None
+    disk_in_flight: bool = False
     planned_saves: tuple[SaveDecision, ...] = ()
 
     @property
@@ -78,6 +80,8 @@ class CacheDecision:
             fields["disk_cache_file"] = self.disk_file
         if self.disk_entry_tokens is not None:
             fields["disk_entry_tokens"] = self.disk_entry_tokens
+        if self.disk_in_flight:
+            fields["disk_cache_in_flight"] = "true"
         if self.disk_miss_reason:
             fields["disk_miss_reason"] = self.disk_miss_reason
         fields["planned_saves"] = " ".join(map(str, self.planned_saves)) or "none"

@@ -8,20 +8,22 @@ without the connector.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tests.model.engine_helpers import greedy, make_engine, random_prompts, shutdown_engine
+from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, random_prompts, shutdown_engine
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
-CASES = ["corrupt", "truncated", "removed", "disk_full", "read_only"]
+CASES = ["corrupt", "truncated", "removed", "swapped", "disk_full", "read_only"]
 
 
 def _mount(*args: str) -> bool:
@@ -67,11 +69,7 @@ def engine(tmpfs, conversations):
     # After `conversations`: an in-process engine leaves its connector registered in this process.
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
-    config = {
-        "kv_connector": "ds4disk",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kv_disk_dir": str(tmpfs)},
-    }
+    config = ds4disk_config(tmpfs)
     llm = make_engine(kv_transfer_config=config, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
     yield llm
     shutdown_engine(llm)
@@ -93,13 +91,35 @@ def checkpoints(directory: Path) -> list[Path]:
 
 
 def first_turn(engine, tmpfs, case: dict) -> list[Path]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     before = set(checkpoints(tmpfs))
     out = answer(engine, case["prompt"])
     assert list(out.outputs[0].token_ids) == case["first"]
-    answer(engine, [1])  # one more step writes the finished request's checkpoint
+    answer(engine, [1])  # one more step copies the finished request's state
+    assert get_kv_transfer_group().worker.queue.drain(60), "the writer should finish"  # in-process worker
+    answer(engine, [1])  # and one more reports the write to the scheduler half
     written = [p for p in checkpoints(tmpfs) if p not in before]
     assert written, "the first turn should leave checkpoints"
     return written
+
+
+def inject_after_lookup(monkeypatch, damage) -> list[str]:
+    """Call ``damage(path)`` on the file a request was told to load, between lookup and load."""
+    from ds4_vllm.connector import scheduler as scheduler_module
+
+    original = scheduler_module.Ds4DiskScheduler.update_state_after_alloc
+    damaged: list[str] = []
+
+    def damage_after_lookup(self, request, blocks, num_external_tokens):
+        original(self, request, blocks, num_external_tokens)
+        pending = self.pending_loads.get(request.request_id)
+        if pending is not None and pending.outcome.path not in damaged:
+            damage(pending.outcome.path)
+            damaged.append(pending.outcome.path)
+
+    monkeypatch.setattr(scheduler_module.Ds4DiskScheduler, "update_state_after_alloc", damage_after_lookup)
+    return damaged
 
 
 def test_corrupt_file_is_quarantined_and_recomputed(engine, tmpfs, conversations):
@@ -125,24 +145,39 @@ def test_truncated_file_is_recomputed(engine, tmpfs, conversations):
 
 
 def test_file_removed_between_lookup_and_load(engine, tmpfs, conversations, monkeypatch):
-    from ds4_vllm.connector import scheduler as scheduler_module
-
     case = conversations["removed"]
     first_turn(engine, tmpfs, case)
-    original = scheduler_module.Ds4DiskScheduler.update_state_after_alloc
-    removed: list[str] = []
-
-    def remove_after_lookup(self, request, blocks, num_external_tokens):
-        original(self, request, blocks, num_external_tokens)
-        pending = self.pending_loads.get(request.request_id)
-        if pending is not None:
-            os.unlink(pending.outcome.path)
-            removed.append(pending.outcome.path)
-
-    monkeypatch.setattr(scheduler_module.Ds4DiskScheduler, "update_state_after_alloc", remove_after_lookup)
+    removed = inject_after_lookup(monkeypatch, os.unlink)
     out = answer(engine, case["follow_up"])
     assert removed, "the follow-up should have found a checkpoint to load"
     assert list(out.outputs[0].token_ids) == case["expected"]
+
+
+def test_file_swapped_between_lookup_and_load_is_refused(engine, tmpfs, conversations, monkeypatch, caplog):
+    """Another process replaces the chosen file by a valid one of the same name and dims."""
+    from ds4_vllm.kvc import PayloadData, open_checkpoint, write_checkpoint
+
+    case = conversations["swapped"]
+    first_turn(engine, tmpfs, case)
+
+    def swap(path: str) -> None:
+        with open_checkpoint(path) as ck:
+            p = ck.payload
+            tokens = np.array(p.tokens, dtype=np.uint32)
+            tokens[len(tokens) // 2] += 1  # same text (name), same dims, other tokens
+            other = PayloadData(
+                p.header, tokens, np.array(p.logits), p.n_comp, p.n_index_comp, list(p.layers)
+            )
+            write_checkpoint(tmpfs, bytes(ck.text), ck.header, other, fsync=False)
+
+    swapped = inject_after_lookup(monkeypatch, swap)
+    with caplog.at_level(logging.WARNING, logger="ds4_vllm"):
+        out = answer(engine, case["follow_up"])
+    assert swapped, "the follow-up should have found a checkpoint to load"
+    assert list(out.outputs[0].token_ids) == case["expected"]
+    assert out.num_cached_tokens == 0
+    refusals = [r.message for r in caplog.records if "load refused" in r.message]
+    assert any("replaced since the lookup" in m for m in refusals), refusals
 
 
 def test_full_disk_skips_the_save_and_answers(engine, tmpfs, conversations):
@@ -183,7 +218,7 @@ def test_unwritable_directory_stops_start_up_naming_the_flag(tmp_path):
     code = (
         "from vllm import LLM\n"
         "LLM(model='ds4', dtype='float32', enforce_eager=True, max_model_len=1024, kv_cache_memory_bytes=1 << 30,"
-        " kv_transfer_config={'kv_connector': 'ds4disk', 'kv_role': 'kv_both',"
+        " kv_transfer_config={'kv_connector': 'ds4disk', 'kv_role': 'kv_both', 'kv_load_failure_policy': 'recompute',"
         f" 'kv_connector_extra_config': {{'kv_disk_dir': {str(blocker / 'kv')!r}}}}})\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

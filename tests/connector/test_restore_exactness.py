@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ds4_vllm.kvc import open_checkpoint, text_sha1
-from tests.model.engine_helpers import greedy, make_engine, random_prompts, shutdown_engine
+from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, random_prompts, shutdown_engine
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +32,7 @@ UNFINISHED_PROMPT_TOKENS = 4000
 
 
 def connector_config(disk_dir) -> dict:
-    return {
-        "kv_connector": "ds4disk",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kv_disk_dir": str(disk_dir), **SAVE_POLICY},
-    }
+    return ds4disk_config(disk_dir, **SAVE_POLICY)
 
 
 def run(engine_kwargs: dict, prompts: list[list[int]]):
@@ -83,7 +79,7 @@ def scenario(tmp_path_factory):
     # Stopping engine A aborted the unfinished request, whose final (evict) checkpoint then
     # replaced the continued one as a nested copy of the same conversation. Put the continued
     # file back as a crash would have left it: its bytes are exactly what engine A wrote.
-    stopped_tokens = checkpoint_tokens(
+    stopped_tokens, stopped_reason = checkpoint_tokens(
         disk_dir, lambda ck: ck.header.tokens > 4096 and ck.header.tokens < 4200
     )
     if not continued_path.exists():
@@ -106,6 +102,7 @@ def scenario(tmp_path_factory):
         "dir": disk_dir,
         "first": first,
         "continued_tokens": continued_tokens,
+        "stopped_reason": stopped_reason,
         "unfinished": unfinished,
         "restored": dict(zip(follow_ups, restored, strict=True)),
         "reference_first": reference[0],
@@ -113,13 +110,13 @@ def scenario(tmp_path_factory):
     }
 
 
-def checkpoint_tokens(disk_dir, wanted) -> list[int]:
-    """Token ids of the one checkpoint in ``disk_dir`` that ``wanted(checkpoint)`` picks."""
+def checkpoint_tokens(disk_dir, wanted) -> tuple[list[int], str]:
+    """Token ids and save reason of the one checkpoint in ``disk_dir`` that ``wanted(checkpoint)`` picks."""
     found = []
     for path in disk_dir.glob("*.kv"):
         with open_checkpoint(path) as ck:
             if wanted(ck):
-                found.append([int(t) for t in ck.payload.tokens])
+                found.append(([int(t) for t in ck.payload.tokens], ck.header.reason_name))
     assert len(found) == 1, f"expected one matching checkpoint, found {len(found)}"
     return found[0]
 
@@ -127,6 +124,7 @@ def checkpoint_tokens(disk_dir, wanted) -> list[int]:
 def test_graceful_stop_saved_the_unfinished_conversation(scenario):
     # Stopping engine A aborted the still-decoding request; its state was saved on the way out.
     assert scenario["restored"]["stop"].num_cached_tokens > 4096
+    assert scenario["stopped_reason"] == "shutdown"
 
 
 def test_continued_checkpoint_extends_the_unfinished_prompt(scenario):

@@ -19,6 +19,16 @@ def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(1000, 100000, (n,), generator=g).tolist() for n in lengths]
 
 
+def ds4disk_config(disk_dir, **extra) -> dict:
+    """`kv_transfer_config` for the ds4disk connector, as a user of `LLM(...)` writes it."""
+    return {
+        "kv_connector": "ds4disk",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_disk_dir": str(disk_dir), **extra},
+    }
+
+
 def make_engine(**overrides):
     from vllm import LLM
 

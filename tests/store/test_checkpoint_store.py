@@ -11,7 +11,8 @@ import pytest
 from store_helpers import NOW, WIDE, header, opts, payload, put, text_of, toks
 
 from ds4_vllm.kvc import ModelDims, SaveReason, read_prefix
-from ds4_vllm.store.checkpoint_store import CheckpointStore, LoadFailure
+from ds4_vllm.store import CheckpointWriter, LoadFailure, LoadReport, LookupOutcome
+from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.options import StoreConfigError
 
 
@@ -21,6 +22,19 @@ def open_store(directory: Path | str, **kw) -> CheckpointStore:
 
 def lookup(store: CheckpointStore, tokens: list[int], *, ctx: int = 4096, quant: int = 2):
     return store.lookup(text_of(tokens), tokens, ctx, quant)
+
+
+def open_for_load(store: CheckpointStore, out: LookupOutcome):
+    """What the connector's worker does (verified open), with the result reported to the store."""
+    try:
+        return CheckpointWriter(store.fs, store.model_dims).open_verified(out)
+    except LoadFailure as exc:
+        store.finish_load(out, LoadReport(exc.path, False, exc.reason, exc.corrupt))
+        raise
+
+
+def record_hit(store: CheckpointStore, out: LookupOutcome, **kw) -> None:
+    store.finish_load(out, LoadReport(out.path, True), **kw)
 
 
 def test_longest_prefix_wins_among_many(tmp_path: Path) -> None:
@@ -128,7 +142,7 @@ def test_file_removed_between_lookup_and_load(tmp_path: Path) -> None:
     out = lookup(store, toks(30))
     os.unlink(path)
     with pytest.raises(LoadFailure, match="file removed by another process"):
-        store.open_for_load(out)
+        open_for_load(store, out)
     assert store.stats.failures == 1
 
 
@@ -140,8 +154,8 @@ def test_file_changed_since_lookup(tmp_path: Path) -> None:
     changed = list(prompt[:20])
     changed[5] = 63
     put(tmp_path, changed, text=text_of(prompt[:20]))  # same name, other tokens
-    with pytest.raises(LoadFailure, match="changed since the lookup"):
-        store.open_for_load(out)
+    with pytest.raises(LoadFailure, match="replaced since the lookup"):
+        open_for_load(store, out)
 
 
 def test_store_lookup_load_hit_roundtrip(tmp_path: Path) -> None:
@@ -151,9 +165,9 @@ def test_store_lookup_load_hit_roundtrip(tmp_path: Path) -> None:
     assert res.stored and res.reason == "cold" and Path(res.path).exists()
     out = lookup(store, prompt)
     assert out.hit and out.agreed_tokens == 32
-    with store.open_for_load(out) as ck:
+    with open_for_load(store, out) as ck:
         assert list(ck.payload.tokens) == prompt[:32]
-    store.record_hit(out, load_seconds=0.01)
+    record_hit(store, out, load_seconds=0.01)
     assert read_prefix(res.path).header.hits == 1
     assert read_prefix(res.path).header.last_used == NOW + 60
     s = store.stats
@@ -243,7 +257,7 @@ def test_nested_files_of_one_conversation_are_not_kept_twice(tmp_path: Path) -> 
     other = save(25, SaveReason.CONTINUED, "b")  # another conversation's file
     used = save(30, SaveReason.CONTINUED, "a")
     assert not Path(c20.path).exists() and used.deduplicated == (c20.path,)
-    store.record_hit(lookup(store, t[:31]))  # the 30-token file now has a hit
+    record_hit(store, lookup(store, t[:31]))  # the 30-token file now has a hit
     final = save(40, SaveReason.EVICT, "a")
     assert Path(cold.path).exists()  # cold files are shared anchors
     assert Path(other.path).exists() and Path(used.path).exists() and final.deduplicated == ()
@@ -273,9 +287,9 @@ def test_memory_url_roundtrip() -> None:
     assert res.stored and fs.exists(res.path)
     out = lookup(store, prompt)
     assert out.hit and out.agreed_tokens == 32
-    with store.open_for_load(out) as ck:
+    with open_for_load(store, out) as ck:
         assert list(ck.payload.tokens) == prompt[:32]
-    store.record_hit(out)
+    record_hit(store, out)
     assert store.entries()[0].header.hits == 1
     # corrupt remote file: quarantined, then a miss
     data = bytearray(fs.cat_file(res.path))

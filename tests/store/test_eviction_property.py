@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 
+from ds4_vllm.store import LoadReport
 from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.eviction import MIB, EvictionEntry, plan_eviction
 
@@ -51,6 +52,6 @@ def test_store_never_leaves_directory_over_budget(ops) -> None:
             if hit and res.path is not None:
                 out = store.lookup(text_of(t), t, 4096, 2)
                 if out.hit:
-                    store.record_hit(out)
+                    store.finish_load(out, LoadReport(out.path, True))
     finally:
         fsspec.filesystem("memory").rm(root, recursive=True)
