@@ -31,6 +31,7 @@ from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata
 from ds4_vllm.connector.metrics import Ds4DiskPromMetrics, Ds4DiskStats, StatsDelta
 from ds4_vllm.model.kv_layout import Ds4KVLayout
 from ds4_vllm.store import StoreOptions
+from ds4_vllm.store.model_identity import model_fingerprint, model_label
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +69,16 @@ class _ForwardToVllm(logging.Handler):
 _log_through_vllm()
 
 
-def store_options(vllm_config: VllmConfig) -> StoreOptions:
-    """The ds4 cache flags from ``kv_connector_extra_config``; errors name the flag."""
+def store_options(vllm_config: VllmConfig) -> tuple[StoreOptions, str]:
+    """The ds4 cache flags from ``kv_connector_extra_config`` (errors name the flag), and the model's fingerprint.
+
+    Without ``--kv-disk-dir`` the checkpoints go to a folder of this model's own.
+    """
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    return StoreOptions.from_extra_config(extra)
+    model = vllm_config.model_config.model
+    fingerprint = model_fingerprint(model, vllm_config.model_config.revision)
+    options = StoreOptions.from_extra_config(extra).for_model(f"{model_label(model)}-{fingerprint[:12]}")
+    return options, fingerprint
 
 
 def kv_layout(vllm_config: VllmConfig, kv_cache_config) -> Ds4KVLayout:
@@ -106,7 +113,7 @@ def _require_recompute_policy(vllm_config: VllmConfig) -> None:
 class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        options = store_options(vllm_config)
+        options, fingerprint = store_options(vllm_config)
         layout = kv_layout(vllm_config, kv_cache_config)
         self.scheduler = None
         self.worker = None
@@ -115,7 +122,7 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
             from ds4_vllm.connector.scheduler import Ds4DiskScheduler
 
             _require_recompute_policy(vllm_config)
-            self.scheduler = Ds4DiskScheduler(vllm_config, options, layout)
+            self.scheduler = Ds4DiskScheduler(vllm_config, options, layout, fingerprint)
         else:
             from ds4_vllm.connector.worker import Ds4DiskWorker
 

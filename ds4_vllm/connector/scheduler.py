@@ -66,7 +66,9 @@ class PendingLoad:
 
 
 class Ds4DiskScheduler:
-    def __init__(self, vllm_config: VllmConfig, options: StoreOptions, layout: Ds4KVLayout) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, options: StoreOptions, layout: Ds4KVLayout, model_fingerprint: str
+    ) -> None:
         model_config = vllm_config.model_config
         self.options = options
         self.layout = layout
@@ -75,7 +77,9 @@ class Ds4DiskScheduler:
         self.token_text = TokenText.from_tokenizer_dir(model_config.tokenizer)
         self.user_id = self.token_text.token_id(USER_TOKEN) or -1
         self.assistant_id = self.token_text.token_id(ASSISTANT_TOKEN) or -1
-        self.store = CheckpointStore(options, model_dims=layout.dims).open()
+        self.store = CheckpointStore(
+            options, model_dims=layout.dims, model_fingerprint=model_fingerprint
+        ).open()
         self.shutdown_requested = False
         self.shutdown_saved = False
         _chain_shutdown_signal(self._on_shutdown_signal)

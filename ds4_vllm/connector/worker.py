@@ -53,7 +53,7 @@ class Ds4DiskWorker:
         self.layout = layout
         self.ctx_size = ctx_size
         self.quant_bits = quant_bits
-        self.writer = CheckpointWriter(open_fs(options.disk_dir), layout.dims)
+        self.writer = CheckpointWriter(open_fs(options.directory), layout.dims)
         self.queue = WriteQueue(options.write_queue_bytes, WRITE_QUEUE_WAIT_S)
         self.write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
         self.stats = StoreStats()  # this side's counters: loads, drops, waits

@@ -19,6 +19,7 @@ store with a reason, logged once per kind. Not thread-safe: it has one owner.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,6 +43,7 @@ from .catalog import Catalog, LogOnce, token_agreement
 from .eviction import MIB
 from .fs import CheckpointFS, open_fs
 from .janitor import Janitor
+from .model_identity import MODEL_MARKER
 from .options import StoreConfigError, StoreOptions, flag_names
 from .pending import PendingFiles
 from .records import LoadReport, LookupOutcome, WriteReport, WriteTicket, os_reason, tokens_digest
@@ -101,10 +103,12 @@ class CheckpointStore:
         model_dims: ModelDims | None = None,
         refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
         fsync: bool = True,
+        model_fingerprint: str | None = None,
     ) -> None:
         self.options = options
-        self.fs = fs if fs is not None else open_fs(options.disk_dir, fsync=fsync)
+        self.fs = fs if fs is not None else open_fs(options.directory, fsync=fsync)
         self.model_dims = model_dims
+        self.model_fingerprint = model_fingerprint
         self._clock = clock
         self._log_once = LogOnce()
         self._stats = StoreStats()
@@ -122,12 +126,17 @@ class CheckpointStore:
     # ------------------------------------------------------------------ set-up
 
     def open(self) -> CheckpointStore:
-        """Create and check the directory; raise StoreConfigError (naming --kv-disk-dir) if unusable."""
+        """Create and check the directory; raise StoreConfigError (naming --kv-disk-dir) if unusable.
+
+        With a `model_fingerprint`, the directory must be this model's (or unclaimed, then it
+        is claimed), unless `--kv-cache-shared-models` says several models share it on purpose.
+        """
         try:
             self.fs.prepare()
+            self._claim_for_model()
         except OSError as exc:
             raise StoreConfigError(
-                f"{flag_names('kv_disk_dir')}: cannot use {self.options.disk_dir!r}: {os_reason(exc)}"
+                f"{flag_names('kv_disk_dir')}: cannot use {self.options.directory!r}: {os_reason(exc)}"
             ) from exc
         removed = self.fs.clean_temp()
         if removed:
@@ -141,6 +150,27 @@ class CheckpointStore:
             len(evicted),
         )
         return self
+
+    def _claim_for_model(self) -> None:
+        if self.model_fingerprint is None:
+            return
+        mine = {"model_fingerprint": self.model_fingerprint}
+        raw = self.fs.read_small(MODEL_MARKER)
+        if raw is None:
+            self.fs.write_small(MODEL_MARKER, (json.dumps(mine) + "\n").encode())
+            return
+        try:
+            theirs = json.loads(raw).get("model_fingerprint")
+        except (ValueError, AttributeError):
+            theirs = None
+        if theirs == self.model_fingerprint or self.options.shared_models:
+            return
+        raise StoreConfigError(
+            f"{flag_names('kv_disk_dir')}: {self.options.directory!r} holds checkpoints of another model "
+            f"({MODEL_MARKER} says {theirs!r}, this model is {self.model_fingerprint!r}); "
+            f"use a directory per model, or set {flag_names('kv_cache_shared_models')} if the models "
+            "are meant to share checkpoints"
+        )
 
     @property
     def stats(self) -> StoreStats:

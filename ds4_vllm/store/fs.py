@@ -1,6 +1,6 @@
 """Where checkpoint files live: a local directory (plain OS calls) or an fsspec URL.
 
-The store and the writer need these operations on its directory; this module gives them for both
+The store and the writer need these operations on a directory; this module gives them for both
 kinds. Local paths and `file://` go straight to `ds4_vllm.kvc` (mmap loads, atomic
 rename), so the hot path never goes through fsspec. Other URLs (`memory://`, `s3://`, ...)
 go through fsspec: a file is serialized into a local staging folder and uploaded whole,
@@ -73,6 +73,11 @@ class CheckpointFS(Protocol):
 
     def free_bytes(self) -> int | None: ...
 
+    def read_small(self, name: str) -> bytes | None:
+        """A small non-checkpoint file of the directory (the model marker), None when absent."""
+
+    def write_small(self, name: str, data: bytes) -> None: ...
+
 
 class LocalFS:
     """A local directory, through `ds4_vllm.kvc` and plain OS calls."""
@@ -134,6 +139,17 @@ class LocalFS:
             return shutil.disk_usage(self.directory).free
         except OSError:
             return None
+
+    def read_small(self, name: str) -> bytes | None:
+        try:
+            return (self.directory / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_small(self, name: str, data: bytes) -> None:
+        tmp = self.directory / f".{name}.tmp.{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.directory / name)
 
 
 class FsspecIndex(CheckpointIndex):
@@ -258,6 +274,15 @@ class FsspecFS:
 
     def free_bytes(self) -> int | None:
         return None
+
+    def read_small(self, name: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._join(name))
+        except FileNotFoundError:
+            return None
+
+    def write_small(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self._join(name), data)
 
 
 def open_fs(url: str, *, fsync: bool = True) -> CheckpointFS:

@@ -38,7 +38,7 @@ DEFAULT_BOUNDARY_TRIM_TOKENS = 32
 DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
 #: Checkpoints copied out of the KV cache and waiting for the disk, in MiB of host memory; when
 #: the writer falls this far behind, engine steps wait for it (back-pressure) instead of
-#: dropping saves. Not a ds4 flag: ds4 writes synchronously.
+#: dropping saves. ds4-vllm's own flag (ds4 writes synchronously), spelled like ds4's.
 DEFAULT_WRITE_QUEUE_MB = 1024
 
 
@@ -80,7 +80,7 @@ class StoreOptions:
     `validate()`.
     """
 
-    disk_dir: str = dataclasses.field(default_factory=default_disk_dir)
+    disk_dir: str | None = None  # None: a folder per model under default_disk_dir() (`for_model`)
     disk_space_mb: int = DEFAULT_DISK_SPACE_MB
     min_tokens: int = DEFAULT_MIN_TOKENS
     cold_max_tokens: int = DEFAULT_COLD_MAX_TOKENS
@@ -89,6 +89,7 @@ class StoreOptions:
     boundary_align_tokens: int = DEFAULT_BOUNDARY_ALIGN_TOKENS
     reject_different_quant: bool = False
     write_queue_mb: int = DEFAULT_WRITE_QUEUE_MB
+    shared_models: bool = False
     trace: str | None = None
 
     @property
@@ -108,8 +109,19 @@ class StoreOptions:
         return math.ceil(interval / align) * align if align > 0 else interval
 
     @property
+    def directory(self) -> str:
+        """Where checkpoints live: `disk_dir`, else the per-user default folder."""
+        return self.disk_dir if self.disk_dir is not None else default_disk_dir()
+
+    @property
     def is_local(self) -> bool:
-        return is_local_dir(self.disk_dir)
+        return is_local_dir(self.directory)
+
+    def for_model(self, label: str) -> StoreOptions:
+        """Without `--kv-disk-dir`, each model gets its own folder under the default one."""
+        if self.disk_dir is not None:
+            return self
+        return dataclasses.replace(self, disk_dir=os.path.join(default_disk_dir(), label))
 
     def validate(self) -> StoreOptions:
         """Check value ranges (no I/O; the directory is checked when the store opens)."""
@@ -221,7 +233,7 @@ class Setting:
 #: `vllm serve` rewrite derives its flags from here. A new setting is one row here plus a
 #: StoreOptions field with its default (tests/store/test_options.py checks they match).
 SETTINGS: dict[str, Setting] = {
-    "kv_disk_dir": Setting("disk_dir", str),
+    "kv_disk_dir": Setting("disk_dir", str, optional=True),
     "kv_disk_space_mb": Setting("disk_space_mb", int, minimum=1),
     "kv_cache_min_tokens": Setting("min_tokens", int, minimum=1),
     "kv_cache_cold_max_tokens": Setting("cold_max_tokens", int),
@@ -230,6 +242,7 @@ SETTINGS: dict[str, Setting] = {
     "kv_cache_boundary_align_tokens": Setting("boundary_align_tokens", int),
     "kv_cache_reject_different_quant": Setting("reject_different_quant", bool),
     "kv_write_queue_mb": Setting("write_queue_mb", int, minimum=1),
+    "kv_cache_shared_models": Setting("shared_models", bool),
     "trace": Setting("trace", str, optional=True),
 }
 

@@ -1,13 +1,16 @@
-"""Issue 4: a checkpoint outlives the server process that wrote it.
+"""Issues 4 and 7: a checkpoint outlives the server process that wrote it, also on SIGTERM.
 
-Server A computes a long prompt and is stopped gracefully (SIGINT). Server B, a new
-process on the same `--kv-disk-dir`, answers the same conversation plus a new turn
-with the prefix loaded from disk (reported as cached tokens) and the same output as
-a server without the connector.
+Server A (`vllm serve --model ds4 --kv-connector ds4disk`, as a user types it) computes a
+long prompt, then streams a long completion of a second conversation and gets SIGTERM (what
+`docker stop` and systemd send) after 300 streamed tokens: the running conversation's state
+is saved with reason `shutdown`. Server B, a new process on the same `--kv-disk-dir`,
+answers both conversations plus a new turn with the prefix loaded from disk (reported as
+cached tokens) and the same output as a server without the connector.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -20,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 COMMON = ["--model", "ds4", "--max-model-len", "8192", "--dtype", "float32", "--enable-prompt-tokens-details"]
 MAX_TOKENS = 8
+STREAMED_BEFORE_SIGTERM = 300
 
 
 def complete(server: ServerProcess, prompt: list[int]):
@@ -51,45 +55,89 @@ def wait_for_checkpoint(disk_dir, tokens: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"no {tokens}-token checkpoint appeared in {disk_dir}")
 
 
+def stream_until_sigterm(server: ServerProcess, prompt: list[int]) -> tuple[int, int | None]:
+    """Stream a long completion; SIGTERM the server after STREAMED_BEFORE_SIGTERM tokens.
+
+    Returns (tokens streamed before the stream ended, the server's exit code).
+    """
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    streamed = 0
+    stream = client.completions.create(
+        model="ds4",
+        prompt=prompt,
+        max_tokens=4000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        for _ in stream:
+            streamed += 1
+            if streamed == STREAMED_BEFORE_SIGTERM:
+                server.proc.send_signal(signal.SIGTERM)
+    except Exception:  # the server goes away mid-stream; that is the point
+        pass
+    exit_code = server.proc.wait(timeout=120)
+    return streamed, exit_code
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("persist")
     disk_dir = base / "kv"
-    prompt, new_turn = random_prompts([3000, 40], seed=77)
+    prompt, new_turn, running, running_turn = random_prompts([3000, 40, 2800, 30], seed=77)
     connector = ["--kv-connector", "ds4disk", "--kv-disk-dir", str(disk_dir)]
 
     server_a = ServerProcess(COMMON + connector, base / "a.log").start()
     try:
         first = complete(server_a, prompt)
         wait_for_checkpoint(disk_dir, len(prompt) + MAX_TOKENS - 1)
+        streamed, exit_a = stream_until_sigterm(server_a, running)
     finally:
-        exit_a = server_a.stop()
+        server_a.stop()
 
     index = CheckpointIndex(disk_dir)
     index.refresh()
-    with open_checkpoint(max(index.entries, key=lambda e: e.tokens).path) as ck:
-        saved = [int(t) for t in ck.payload.tokens]
+    saved, shutdown = None, []
+    for entry in index.entries:
+        with open_checkpoint(entry.path) as ck:
+            tokens = [int(t) for t in ck.payload.tokens]
+            if ck.header.reason_name == "evict" and tokens[: len(prompt)] == prompt:
+                saved = tokens
+            if ck.header.reason_name == "shutdown":
+                shutdown.append(tokens)
     follow_up = prompt + answer_ids(first) + new_turn
+    resumed = (shutdown[0] if shutdown else running) + running_turn
 
     trace = base / "trace.txt"
     server_b = ServerProcess(COMMON + connector + ["--trace", str(trace)], base / "b.log").start()
     try:
         restored = complete(server_b, follow_up)
+        restored_shutdown = complete(server_b, resumed)
         metrics = _get(f"{server_b.base_url}/metrics")
     finally:
         server_b.stop()
     server_c = ServerProcess(COMMON, base / "c.log").start()
     try:
         cold = complete(server_c, follow_up)
+        cold_shutdown = complete(server_c, resumed)
     finally:
         server_c.stop()
     return {
         "exit_a": exit_a,
+        "log_a": (base / "a.log").read_text(errors="replace"),
+        "streamed": streamed,
         "saved": saved,
+        "shutdown": shutdown,
+        "running": running,
         "prompt": prompt,
         "first": first,
         "restored": restored,
+        "restored_shutdown": restored_shutdown,
         "cold": cold,
+        "cold_shutdown": cold_shutdown,
         "trace": trace.read_text(),
         "metrics": metrics,
     }
@@ -107,8 +155,23 @@ def _metric(text: str, name: str) -> float:
     return sum(values)
 
 
-def test_server_a_stops_gracefully(runs):
-    assert runs["exit_a"] == 0
+def test_server_a_stops_gracefully_on_sigterm(runs):
+    assert runs["streamed"] >= STREAMED_BEFORE_SIGTERM
+    assert runs["exit_a"] == 0, runs["log_a"][-3000:]
+
+
+def test_sigterm_saved_the_running_conversation_as_shutdown(runs):
+    assert len(runs["shutdown"]) == 1, runs["log_a"][-3000:]
+    tokens = runs["shutdown"][0]
+    assert tokens[: len(runs["running"])] == runs["running"]
+    # At least what had been streamed when the signal went out (the last streamed token not fed yet).
+    assert len(tokens) >= len(runs["running"]) + STREAMED_BEFORE_SIGTERM - 1
+
+
+def test_new_process_resumes_the_shutdown_checkpoint(runs):
+    restored, cold = runs["restored_shutdown"], runs["cold_shutdown"]
+    assert restored.usage.prompt_tokens_details.cached_tokens == len(runs["shutdown"][0])
+    assert restored.choices[0].text == cold.choices[0].text
 
 
 def test_checkpoint_holds_the_prompt_and_the_answer(runs):

@@ -25,7 +25,13 @@ pytestmark = pytest.mark.slow
 
 PROMPT_TOKENS = 4603
 MAX_TOKENS = 8
-ROUND_OFF = 1e-4  # log-probability; restored vs cold differ only by float32 summation order
+# |Δ log-prob|, restored vs cold. They differ only by float32 summation order: measured by
+# benchmarks/measure_roundoff.py (results/roundoff.json, 320 top-5 log-probs over 8 decode
+# steps of 8 follow-ups of 1,100-4,600 tokens): median 9.5e-7, p99 4.6e-6, max 1.6e-5, the
+# same spread as one cold engine batching differently (max 1.3e-5); one earlier run of this
+# test saw 1.0e-4. A restore that is wrong by one row moves log-probs by 1e-2 or more, so the
+# bound sits 60x above the measured maximum and 10x above the worst value ever seen.
+ROUND_OFF = 1e-3
 SAVE_POLICY = {"kv_cache_boundary_align_tokens": 0, "kv_cache_continued_interval_tokens": 2048}
 EXPECTED_FILES = {"continued": {4096}, "cold": {4571}, "evict": {PROMPT_TOKENS + MAX_TOKENS - 1}}
 UNFINISHED_PROMPT_TOKENS = 4000

@@ -10,7 +10,12 @@ import gc
 
 import torch
 
-REFERENCE_TOLERANCE = 1e-3  # log-probability, float32 (issue 2)
+# |Δ log-prob| of our model vs transformers' DeepseekV4ForCausalLM on the same float32 weights
+# (issue 2). Measured over prompts of 7-2,600 tokens and 5 decode steps: max 2.9e-6 on prompt
+# positions, 3.8e-6 on decode (issue 2's closing note); batch composition alone moves log-probs
+# by up to 1.3e-5 (benchmarks/results/roundoff.json). 1e-3 is 75x the largest of these, far
+# below what a real defect gives (a wrong mask or rope position: > 1e-1).
+REFERENCE_TOLERANCE = 1e-3
 
 
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
