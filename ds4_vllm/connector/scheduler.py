@@ -184,6 +184,7 @@ class Ds4DiskScheduler:
         ends = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         ends.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        saved = 0
         for req_id, computed in ends.items():
             state = self.requests.get(req_id)
             end = computed + output.num_scheduled_tokens.get(req_id, 0)
@@ -196,7 +197,8 @@ class Ds4DiskScheduler:
                 job.flush = True
                 meta.saves.append(job)
                 state.last_stored = end
-        logger.info("kv cache shutdown: saving the state of %d running requests", len(meta.saves))
+                saved += 1
+        logger.info("kv cache shutdown: saving the state of %d running requests", saved)
 
     def _plan_request(self, req_id: str, cached_tokens: int) -> None:
         state = self.requests.get(req_id)

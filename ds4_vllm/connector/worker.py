@@ -106,7 +106,10 @@ class Ds4DiskWorker:
                         self.caches, job.block_ids, checkpoint.payload.layers, n_tokens, start=job.start
                     )
         except LoadFailure as exc:
-            self._load_failed(job, exc.reason, corrupt=exc.corrupt)
+            reason = exc.reason
+            if outcome.in_flight and "removed" in reason:
+                reason = "its write did not reach the disk (dropped or failed; see the store lines above)"
+            self._load_failed(job, reason, corrupt=exc.corrupt)
         except Exception as exc:  # any other failure means: recompute these tokens
             self._load_failed(job, f"{type(exc).__name__}: {exc}")
         else:

@@ -183,10 +183,6 @@ class CheckpointStore:
     def pinned(self) -> frozenset[str]:
         return self._pending.pinned
 
-    @property
-    def in_flight(self) -> list[WriteTicket]:
-        return [w.ticket for w in self._pending.writes]
-
     # ------------------------------------------------------------------ lookup and load
 
     def lookup(

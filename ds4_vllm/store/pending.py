@@ -40,9 +40,6 @@ class PendingFiles:
         if self._pins[path] <= 0:
             del self._pins[path]
 
-    def is_pinned(self, path: str) -> bool:
-        return path in self._pins
-
     @property
     def pinned(self) -> frozenset[str]:
         return frozenset(self._pins)

@@ -28,11 +28,6 @@ class WriteQueue:
         self._bytes = 0
         self._closed = False
 
-    @property
-    def queued_bytes(self) -> int:
-        with self._cond:
-            return self._bytes
-
     def put(self, sha1: str, nbytes: int, item: Any) -> tuple[bool, float]:
         """Queue `item`; (accepted, seconds spent waiting for room)."""
         started = time.monotonic()

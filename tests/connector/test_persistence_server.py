@@ -60,9 +60,13 @@ def stream_until_sigterm(server: ServerProcess, prompt: list[int]) -> tuple[int,
 
     Returns (tokens streamed before the stream ended, the server's exit code).
     """
+    import httpx
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    # vLLM's API server waits for open connections before it exits, and a stream whose engine
+    # was stopped never ends: the client gives up after a minute without data, as agents do.
+    timeout = httpx.Timeout(300.0, read=60.0)
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=timeout, max_retries=0)
     streamed = 0
     stream = client.completions.create(
         model="ds4",
