@@ -19,7 +19,6 @@ store with a reason, logged once per kind. Not thread-safe: it has one owner.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -43,7 +42,7 @@ from .catalog import Catalog, LogOnce, token_agreement
 from .eviction import MIB
 from .fs import CheckpointFS, open_fs
 from .janitor import Janitor
-from .model_identity import MODEL_MARKER
+from .model_identity import claim_directory
 from .options import StoreConfigError, StoreOptions, flag_names
 from .pending import PendingFiles
 from .records import LoadReport, LookupOutcome, WriteReport, WriteTicket, os_reason, tokens_digest
@@ -133,7 +132,8 @@ class CheckpointStore:
         """
         try:
             self.fs.prepare()
-            self._claim_for_model()
+            if self.model_fingerprint is not None:
+                claim_directory(self.fs, self.options, self.model_fingerprint)
         except OSError as exc:
             raise StoreConfigError(
                 f"{flag_names('kv_disk_dir')}: cannot use {self.options.directory!r}: {os_reason(exc)}"
@@ -150,27 +150,6 @@ class CheckpointStore:
             len(evicted),
         )
         return self
-
-    def _claim_for_model(self) -> None:
-        if self.model_fingerprint is None:
-            return
-        mine = {"model_fingerprint": self.model_fingerprint}
-        raw = self.fs.read_small(MODEL_MARKER)
-        if raw is None:
-            self.fs.write_small(MODEL_MARKER, (json.dumps(mine) + "\n").encode())
-            return
-        try:
-            theirs = json.loads(raw).get("model_fingerprint")
-        except (ValueError, AttributeError):
-            theirs = None
-        if theirs == self.model_fingerprint or self.options.shared_models:
-            return
-        raise StoreConfigError(
-            f"{flag_names('kv_disk_dir')}: {self.options.directory!r} holds checkpoints of another model "
-            f"({MODEL_MARKER} says {theirs!r}, this model is {self.model_fingerprint!r}); "
-            f"use a directory per model, or set {flag_names('kv_cache_shared_models')} if the models "
-            "are meant to share checkpoints"
-        )
 
     @property
     def stats(self) -> StoreStats:

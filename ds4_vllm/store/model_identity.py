@@ -14,6 +14,9 @@ import json
 import os
 from pathlib import Path
 
+from .fs import CheckpointFS
+from .options import StoreConfigError, StoreOptions, flag_names
+
 #: The file in a checkpoint directory naming the model that writes there (not a `.kv`: ds4 ignores it).
 MODEL_MARKER = "ds4-vllm-model.json"
 #: Weight files are fingerprinted by name, size and their first bytes (headers and first tensors).
@@ -46,3 +49,27 @@ def model_label(model: str) -> str:
     """Short directory-safe name for the default per-model checkpoint directory."""
     base = os.path.basename(os.path.normpath(model)) or "model"
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in base)[:64]
+
+
+def claim_directory(fs: CheckpointFS, options: StoreOptions, fingerprint: str) -> None:
+    """Mark an unclaimed directory as this model's; refuse one marked by another model.
+
+    Raises StoreConfigError naming `--kv-disk-dir` and `--kv-cache-shared-models`, unless the
+    latter says the sharing is on purpose (the first model's marker then stays).
+    """
+    raw = fs.read_small(MODEL_MARKER)
+    if raw is None:
+        fs.write_small(MODEL_MARKER, (json.dumps({"model_fingerprint": fingerprint}) + "\n").encode())
+        return
+    try:
+        theirs = json.loads(raw).get("model_fingerprint")
+    except (ValueError, AttributeError):
+        theirs = None
+    if theirs == fingerprint or options.shared_models:
+        return
+    raise StoreConfigError(
+        f"{flag_names('kv_disk_dir')}: {options.directory!r} holds checkpoints of another model "
+        f"({MODEL_MARKER} says {theirs!r}, this model is {fingerprint!r}); use a directory per "
+        f"model, or set {flag_names('kv_cache_shared_models')} if the models are meant to share "
+        "checkpoints"
+    )
