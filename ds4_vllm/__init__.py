@@ -17,7 +17,6 @@ __all__ = ["register", "resolve_default_model"]
 
 DEFAULT_MODEL_NAME = "ds4"
 DEFAULT_MODEL_KV_CACHE_BYTES = 2 << 30
-MODEL_ARCH = "Ds4ForCausalLM"
 MODEL_CLASS = "ds4_vllm.model.model:Ds4ForCausalLM"
 CONNECTOR_NAME = "ds4disk"
 CONNECTOR_MODULE = "ds4_vllm.connector.connector"
@@ -48,8 +47,10 @@ def register() -> None:
 def _register_model() -> None:
     from vllm import ModelRegistry
 
-    if MODEL_ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(MODEL_ARCH, MODEL_CLASS)
+    from ds4_vllm.model.config import DS4_ARCHITECTURE
+
+    if DS4_ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(DS4_ARCHITECTURE, MODEL_CLASS)
 
 
 def _register_connector() -> None:

@@ -75,6 +75,10 @@ class SaveReason(enum.IntEnum):
     AGENT_SYSTEM = 5
     AGENT_SESSION = 6
 
+    @classmethod
+    def _missing_(cls, value: object) -> SaveReason:
+        return cls.UNKNOWN
+
     @property
     def label(self) -> str:
         """The name ds4 prints in its logs ("cold", "agent-system", ...)."""

@@ -76,7 +76,7 @@ class KvcHeader:
 
     @property
     def reason_name(self) -> str:
-        return SaveReason(self.reason).label if self.reason in SaveReason._value2member_map_ else "unknown"
+        return SaveReason(self.reason).label
 
     @property
     def key_kind(self) -> str:

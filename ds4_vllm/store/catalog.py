@@ -51,6 +51,23 @@ def token_agreement(a: np.ndarray, b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def agreement_outcome(
+    tokens: np.ndarray, prompt_tokens: Sequence[int], min_tokens: int, **candidate: object
+) -> LookupOutcome:
+    """The outcome for a candidate (a file or an in-flight write) holding `tokens`.
+
+    A hit needs `min_tokens` agreeing tokens; fewer agreeing than the candidate holds is
+    reported as "token mismatch at token N".
+    """
+    agreed = token_agreement(tokens, prompt_tokens)
+    mismatch = f"token mismatch at token {agreed}" if agreed < len(tokens) else None
+    if agreed < min_tokens:
+        return LookupOutcome(False, f"{mismatch}, under the minimum {min_tokens}", **candidate)
+    return LookupOutcome(
+        True, mismatch, agreed_tokens=agreed, tokens_digest=tokens_digest(tokens[:agreed]), **candidate
+    )
+
+
 def miss_reason(result: LookupResult, entries: int) -> str:
     """The trace's miss reasons: no entry, text diverges, under the minimum, context, quant."""
     if entries == 0:
@@ -177,20 +194,16 @@ class Catalog:
                 self._tokens.popitem(last=False)
         else:
             self._tokens.move_to_end(key)
-        agreed = token_agreement(tokens, prompt_tokens)
-        common = dict(
+        return agreement_outcome(
+            tokens,
+            prompt_tokens,
+            min_tokens,
             path=path,
             sha1=entry.sha1,
             entry_tokens=entry.tokens,
             text_bytes=entry.text_bytes,
             file_size=entry.file_size,
             quant_bits=entry.header.quant_bits,
-        )
-        mismatch = f"token mismatch at token {agreed}" if agreed < entry.tokens else None
-        if agreed < min_tokens:
-            return LookupOutcome(False, f"{mismatch}, under the minimum {min_tokens}", **common)
-        return LookupOutcome(
-            True, mismatch, agreed_tokens=agreed, tokens_digest=tokens_digest(tokens[:agreed]), **common
         )
 
     def quarantine(self, path: str, reason: str) -> bool:

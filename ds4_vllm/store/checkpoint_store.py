@@ -38,14 +38,14 @@ from ds4_vllm.kvc import (
 )
 from ds4_vllm.kvc.trailer import pack_tool_map
 
-from .catalog import Catalog, LogOnce, token_agreement
+from .catalog import Catalog, LogOnce, agreement_outcome
 from .eviction import MIB
 from .fs import CheckpointFS, open_fs
 from .janitor import Janitor
 from .model_identity import claim_directory
 from .options import StoreConfigError, StoreOptions, flag_names
 from .pending import PendingFiles
-from .records import LoadReport, LookupOutcome, WriteReport, WriteTicket, os_reason, tokens_digest
+from .records import LoadReport, LookupOutcome, WriteReport, WriteTicket, os_reason
 from .stats import StoreStats
 from .writer import CheckpointWriter
 
@@ -78,11 +78,6 @@ class Admission:
     ticket: WriteTicket | None
     reason: str
     evicted: tuple[str, ...] = ()
-
-
-def _save_reason(header: KvcHeader) -> SaveReason:
-    known = header.reason in SaveReason._value2member_map_
-    return SaveReason(header.reason) if known else SaveReason.UNKNOWN
 
 
 class CheckpointStore:
@@ -191,30 +186,22 @@ class CheckpointStore:
         )
         pending = self._pending.longest_prefix_write(prompt_text, self.options.min_tokens)
         if pending is not None and (found is None or pending.ticket.text_bytes > found.text_bytes):
-            outcome = self._in_flight_outcome(pending.ticket, pending.tokens, prompt_tokens, quant_bits)
+            ticket = pending.ticket
+            outcome = agreement_outcome(
+                np.asarray(pending.tokens, dtype=np.uint32),
+                prompt_tokens,
+                self.options.min_tokens,
+                path=ticket.path,
+                sha1=ticket.sha1,
+                entry_tokens=ticket.n_tokens,
+                text_bytes=ticket.text_bytes,
+                file_size=ticket.file_size,
+                quant_bits=quant_bits or 0,
+                in_flight=True,
+            )
             if outcome.hit or found is None:
                 return outcome
         return found if found is not None else fallback
-
-    def _in_flight_outcome(
-        self, ticket: WriteTicket, tokens: Sequence[int], prompt_tokens: Sequence[int], quant_bits: int | None
-    ) -> LookupOutcome:
-        agreed = token_agreement(np.asarray(tokens, dtype=np.int64), prompt_tokens)
-        common = dict(
-            path=ticket.path,
-            sha1=ticket.sha1,
-            entry_tokens=ticket.n_tokens,
-            text_bytes=ticket.text_bytes,
-            file_size=ticket.file_size,
-            quant_bits=quant_bits or 0,
-            in_flight=True,
-        )
-        mismatch = f"token mismatch at token {agreed}" if agreed < ticket.n_tokens else None
-        if agreed < self.options.min_tokens:
-            return LookupOutcome(False, f"{mismatch}, under the minimum {self.options.min_tokens}", **common)
-        return LookupOutcome(
-            True, mismatch, agreed_tokens=agreed, tokens_digest=tokens_digest(tokens[:agreed]), **common
-        )
 
     def pin(self, path: str) -> None:
         """Keep `path` from eviction and nested-file removal until `unpin` (a load is pending)."""
@@ -308,7 +295,9 @@ class CheckpointStore:
             and same.header.ctx_size == header.ctx_size
             and same.header.quant_bits == header.quant_bits
         ):
-            self._janitor.remember(conversation_key, str(same.path), sha, len(text), _save_reason(header))
+            self._janitor.remember(
+                conversation_key, str(same.path), sha, len(text), SaveReason(header.reason)
+            )
             return self._skip(header, "already stored", quiet=True)
         ticket = WriteTicket(
             sha,
@@ -327,7 +316,7 @@ class CheckpointStore:
                 header, f"no room: {room / MIB:.1f} MiB left after eviction (pinned or in-flight files)"
             )
         self._pending.add_write(ticket, text, tokens)
-        return Admission(ticket, _save_reason(header).label, tuple(evicted))
+        return Admission(ticket, SaveReason(header.reason).label, tuple(evicted))
 
     def finish_write(self, report: WriteReport) -> tuple[list[str], list[str]]:
         """Take the worker's report of a ticket; returns (evicted, nested copies removed)."""
@@ -342,11 +331,7 @@ class CheckpointStore:
         if pending is None:
             return [], []
         ticket = pending.ticket
-        reason = (
-            SaveReason(ticket.reason)
-            if ticket.reason in SaveReason._value2member_map_
-            else SaveReason.UNKNOWN
-        )
+        reason = SaveReason(ticket.reason)
         nested = self._janitor.remove_nested(
             ticket.conversation_key, pending.text, report.path, self._pending.pinned
         )
@@ -401,7 +386,12 @@ class CheckpointStore:
     def _skip(self, header: KvcHeader, why: str, *, quiet: bool = False) -> Admission:
         self._stats.store_skips += 1
         log = logger.debug if quiet else logger.info
-        log("kv cache skipped tokens=%d reason=%s because %s", header.tokens, _save_reason(header).label, why)
+        log(
+            "kv cache skipped tokens=%d reason=%s because %s",
+            header.tokens,
+            SaveReason(header.reason).label,
+            why,
+        )
         return Admission(None, why)
 
     # ------------------------------------------------------------------ eviction
@@ -416,7 +406,16 @@ class CheckpointStore:
         return self._evict(protected=protected)
 
     def _evict(self, *, extra: int = 0, protected: str | None = None) -> list[str]:
-        """Evict until files + in-flight writes + `extra` bytes fit the budget."""
+        """Evict until files + in-flight writes + `extra` bytes fit the budget.
+
+        This runs on the engine loop for every admitted save, so the directory is re-read in
+        full (forced refresh, to see other servers' hit counts) only when something must go.
+        """
+        self._catalog.refresh()  # cheap unless the directory changed
+        entries = self._catalog.entries(refresh=False)
+        needed = sum(e.file_size for e in entries) + self._reserved_bytes(entries) + extra
+        if needed <= self.options.budget_bytes:
+            return []
         entries = self._catalog.entries()
         removed = self._janitor.evict(
             entries,

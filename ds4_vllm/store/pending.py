@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 
 from .records import WriteTicket
@@ -71,6 +70,6 @@ class PendingFiles:
                 best.ticket.n_tokens,
             ):
                 continue
-            if hashlib.sha1(prompt_text[: t.text_bytes]).hexdigest() == t.sha1:
+            if prompt_text.startswith(w.text):
                 best = w
         return best

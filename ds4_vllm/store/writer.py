@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ds4_vllm.kvc import Checkpoint, KvcFormatError, KvcHeader, ModelDims, SaveReason, ToolMapEntry
+from ds4_vllm.kvc import Checkpoint, KvcFormatError, KvcHeader, ModelDims, ToolMapEntry
 
 from .catalog import LogOnce
 from .eviction import MIB
@@ -41,7 +41,7 @@ class CheckpointWriter:
         tool_map: Iterable[ToolMapEntry] = (),
     ) -> WriteReport:
         """Write one admitted checkpoint. Never raises for I/O: the report says what happened."""
-        label = _reason_label(header)
+        label = header.reason_name
         free = self.fs.free_bytes()
         if free is not None and free < ticket.file_size:
             return self._failed(
@@ -70,7 +70,7 @@ class CheckpointWriter:
         self._log_once.warning(
             f"store:{why.split(':')[0]}",
             "kv cache store failed (%s): tokens=%d %s",
-            _reason_label(header),
+            header.reason_name,
             header.tokens,
             why,
         )
@@ -113,8 +113,3 @@ class CheckpointWriter:
             ck.close()
             raise
         return ck
-
-
-def _reason_label(header: KvcHeader) -> str:
-    known = header.reason in SaveReason._value2member_map_
-    return (SaveReason(header.reason) if known else SaveReason.UNKNOWN).label
