@@ -135,19 +135,25 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as stacked tensors; only the experts a batch selects are evaluated."""
+    """Routed experts as stacked tensors; only the experts a batch selects are evaluated.
+
+    One stack per projection, as the checkpoints store them: ``gate_proj`` (w1) and ``up_proj``
+    (w3) are [E, ffn, hidden], ``down_proj`` (w2) is [E, hidden, ffn].
+    """
 
     def __init__(self, n_experts: int, hidden: int, ffn: int, limit: float) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * ffn, hidden))
+        self.gate_proj = nn.Parameter(torch.zeros(n_experts, ffn, hidden))
+        self.up_proj = nn.Parameter(torch.zeros(n_experts, ffn, hidden))
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, ffn))
+        self.n_experts = n_experts
         self.limit = limit
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat_experts = indices.flatten()
         order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
         token_of = order // indices.shape[1]
         slot_of = order % indices.shape[1]
         start = 0
@@ -157,9 +163,10 @@ class Experts(nn.Module):
             tokens = token_of[start : start + count]
             slots = slot_of[start : start + count]
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            hidden = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
-            y = F.linear(hidden, self.down_proj[expert]) * weights[tokens, slots, None].to(x.dtype)
+            rows = x[tokens]
+            gate = F.linear(rows, self.gate_proj[expert]).clamp(max=self.limit)
+            up = F.linear(rows, self.up_proj[expert]).clamp(min=-self.limit, max=self.limit)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[tokens, slots, None].to(x.dtype)
             out.index_add_(0, tokens, y)
         return out
 

@@ -19,6 +19,7 @@ from vllm.forward_context import get_forward_context
 from ds4_vllm.model.attention import Ds4Attention
 from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheMetadata
 from ds4_vllm.model.layers import HyperConnection, HyperHead, MoE, RMSNorm
+from ds4_vllm.model.weight_loader import CheckpointLoader
 
 
 class Ds4DecoderLayer(nn.Module):
@@ -101,9 +102,6 @@ class StepHidden:
 class Ds4ForCausalLM(nn.Module):
     """vLLM model class registered as ``Ds4ForCausalLM`` (see ``ds4_vllm.register``)."""
 
-    # transformers keeps the indexer's compressor weights beside the indexer itself.
-    _INDEXER_COMPRESSOR_PARAMS = ("kv_proj", "gate_proj", "position_bias", "kv_norm")
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -148,34 +146,8 @@ class Ds4ForCausalLM(nn.Module):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (transformers' names) into the model; errors name the tensor."""
-        state = dict(self.named_parameters())
-        state.update(self.named_buffers())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target = self._local_name(name)
-            if target not in state:
-                raise ValueError(f"checkpoint tensor {name!r} does not belong to Ds4ForCausalLM")
-            param = state[target]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
-            loaded.add(target)
-        missing = sorted(n for n in state if n not in loaded and not n.endswith("inv_freq"))
-        if missing:
-            raise ValueError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-        return loaded
+        """Load a checkpoint in any DeepSeek V4 naming scheme (see `weight_names`).
 
-    def _local_name(self, name: str) -> str:
-        parts = name.split(".")
-        # transformers' save_pretrained renames ``kv_norm`` to ``norm`` in these modules.
-        if len(parts) >= 3 and parts[-2] == "norm" and parts[-3] in ("self_attn", "compressor", "indexer"):
-            parts[-2] = "kv_norm"
-        if "indexer" in parts:
-            i = parts.index("indexer")
-            if i + 1 < len(parts) and parts[i + 1] in self._INDEXER_COMPRESSOR_PARAMS:
-                parts.insert(i + 1, "compressor")
-        return ".".join(parts)
+        Errors name the checkpoint tensor; `mtp.*` tensors are skipped with one log line.
+        """
+        return CheckpointLoader(self).load(weights)
