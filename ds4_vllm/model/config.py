@@ -165,6 +165,10 @@ class Ds4Config(DeepseekV4Config):
         }
         if "rope_scaling" in data and not data.get("rope_parameters"):
             data["rope_parameters"] = data.pop("rope_scaling")
+        # The official release's FP8/FP4 description. Kept under our own key: under its own name
+        # vLLM would apply its FP8 method to a model that dequantizes its own weights.
+        if "quantization_config" in data:
+            data["checkpoint_quantization"] = data.pop("quantization_config")
         return cls(**data)
 
 

@@ -11,6 +11,7 @@ Imports vLLM: only `ds4_vllm.register()` imports this module.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,27 @@ class Ds4ConfigParser(ConfigParserBase):
             config.architectures = [DS4_ARCHITECTURE]
         config.name_or_path = str(model)
         return config_dict, config
+
+
+def needs_ds4_config_format(model: str | Path) -> bool:
+    """True for a local directory holding transformers' form of a DeepSeek V4 config.
+
+    vLLM's own `DeepseekV4Config` reads the official form but rejects transformers' (its
+    `mlp_layer_types` say `hash_moe`/`moe`), so any vLLM code path that reads such a directory
+    without `--config-format ds4` must be pointed here.
+    """
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False  # vLLM reports the unreadable file itself
+    return (
+        isinstance(config, dict)
+        and config.get("model_type") == "deepseek_v4"
+        and isinstance(config.get("mlp_layer_types"), list)
+    )
 
 
 def register_config_format() -> None:

@@ -7,7 +7,9 @@ Three naming schemes reach the loader (`../shared/specs/checkpoint-formats.md` Â
 - transformers' `save_pretrained` output: the native names with a `model.` prefix and three
   renames (`model.embed_tokens`, `model.hc_head.hc_X`, the main attention's `attn.norm`);
 - transformers' in-memory names, which are this model's own parameter names except for the
-  indexer's compressor (nested the other way round) and the fused `experts.gate_up_proj`.
+  indexer's compressor (nested the other way round) and the fused `experts.gate_up_proj`; a
+  directory transformers loaded from such names and saved again has them with `norm` for
+  `kv_norm`.
 
 `CHECKPOINT_MAPPER` (vLLM's `WeightsMapper`) renames the first two onto the third; its regexes
 apply in order, so the saved layout is first normalised to native names, then native names are
@@ -79,8 +81,10 @@ _NATIVE_TO_MODEL = [
     *((rf"^{_L}\.ffn\.experts\.(\d+)\.{n}\.", rf"{_OURS}.mlp.experts.\2.{m}.") for n, m in _EXPERT.items()),
 ]
 
-# transformers' in-memory names that differ from ours.
+# transformers' in-memory names that differ from ours. A directory that transformers loaded from
+# in-memory names and saved again keeps them, except that every `kv_norm` is written as `norm`.
 _IN_MEMORY_TO_MODEL = [
+    (r"\.(self_attn|indexer)\.norm\.", r".\1.kv_norm."),
     (
         r"\.compressor\.indexer\.(kv_proj|gate_proj|position_bias|kv_norm)\b",
         r".compressor.indexer.compressor.\1",

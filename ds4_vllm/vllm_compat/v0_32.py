@@ -12,6 +12,11 @@
    `sys.argv`. The launching process rewrites `sys.argv` there (`ds4_vllm.cli.vllm_args`), so
    `vllm serve --model ds4 --kv-connector ds4disk --kv-disk-dir D` works. `ds4-vllm serve`
    applies the same rewrite without depending on this.
+3. The tokenizer of a transformers-saved DeepSeek V4 directory. vLLM's tokenizer loader reads
+   the tokenizer directory's config with the "hf" format whatever `--config-format` says, and
+   vLLM's own `DeepseekV4Config` rejects transformers' form (`mlp_layer_types` hash_moe/moe)
+   with an error the loader does not catch. We wrap the loader's `get_config` so that such a
+   directory (and only such a directory) is read as `--config-format ds4` reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ PATCHED_NAMES: dict[str, str] = {
     "vllm.engine.arg_utils.load_general_plugins": "relied on: the call above",
     "vllm.utils.argparse_utils.FlexibleArgumentParser.parse_args": (
         "relied on: parses sys.argv[1:] (rewritten by the plugin) after plugins loaded"
+    ),
+    "vllm.tokenizers.registry.get_config": (
+        "module global replaced: the tokenizer loader reads transformers' DeepSeek V4 dirs as ds4"
     ),
 }
 
@@ -67,9 +75,10 @@ _PATCHED_MARK = "_ds4_patched"
 
 
 def apply() -> None:
-    """Install both patches (idempotent: vLLM loads plugins once per process, tests more often)."""
+    """Install the patches (idempotent: vLLM loads plugins once per process, tests more often)."""
     resolve_default_model_name()
     rewrite_sys_argv_for_serve()
+    read_deepseek_v4_tokenizer_dirs_as_ds4()
 
 
 def resolve_default_model_name() -> None:
@@ -119,3 +128,23 @@ def rewrite_sys_argv_for_serve() -> None:
     except ArgvError as e:
         sys.stderr.write(f"vllm serve: error: {e}\n")
         raise SystemExit(2) from None
+
+
+def read_deepseek_v4_tokenizer_dirs_as_ds4() -> None:
+    """Let the tokenizer loader read a transformers-saved `deepseek_v4` directory (see item 3)."""
+    from vllm.tokenizers import registry
+
+    if getattr(registry.get_config, _PATCHED_MARK, False):
+        return
+    original_get_config = registry.get_config
+
+    @functools.wraps(original_get_config)
+    def get_config(model: Any, *args: Any, **kwargs: Any) -> Any:
+        from ds4_vllm.model.config_parser import CONFIG_FORMAT, needs_ds4_config_format
+
+        if kwargs.get("config_format", "auto") in ("auto", "hf") and needs_ds4_config_format(model):
+            kwargs["config_format"] = CONFIG_FORMAT
+        return original_get_config(model, *args, **kwargs)
+
+    setattr(get_config, _PATCHED_MARK, True)
+    registry.get_config = get_config

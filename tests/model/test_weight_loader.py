@@ -136,6 +136,23 @@ def test_in_memory_names_load_exactly(reference) -> None:
     _assert_same(holder, model)
 
 
+def test_resaved_in_memory_layout_loads_exactly(reference, tmp_path) -> None:
+    """Loaded from in-memory names and saved again, transformers keeps them but writes `norm` for `kv_norm`."""
+    from safetensors.torch import save_file
+    from transformers import DeepseekV4ForCausalLM
+
+    config, model, saved = reference
+    first = tmp_path / "in_memory"
+    first.mkdir()
+    (first / "config.json").write_text((saved / "config.json").read_text())
+    save_file({n: t.contiguous() for n, t in model.state_dict().items()}, first / "model.safetensors")
+    DeepseekV4ForCausalLM.from_pretrained(first).save_pretrained(tmp_path / "resaved")
+    weights = load_file(tmp_path / "resaved" / "model.safetensors")
+    assert "model.layers.2.self_attn.norm.weight" in weights
+    holder, _ = _load(config, weights.items())
+    _assert_same(holder, model)
+
+
 def test_mtp_tensors_are_skipped_with_one_log_line(reference, caplog) -> None:
     config, model, saved = reference
     weights = {_native(n): t for n, t in load_file(saved / "model.safetensors").items()}
