@@ -125,7 +125,6 @@ class QuantizedWeight:
         self.data = _as_bytes(self.data, "data", self.qtype)
         want = packed_shape(self.qtype, self.shape)
         if tuple(self.data.shape) != want:
-            _, nbytes = block_layout(self.qtype)
             raise ValueError(
                 f"{self.qtype.value} weight of logical shape {self.shape}: data has shape "
                 f"{tuple(self.data.shape)} ({self.data.numel()} bytes), expected {want} "
