@@ -118,7 +118,9 @@ def test_plain_float_types_are_their_bytes(qtype: QuantType) -> None:
     assert dequantize(weight, dtype=torch_dtype[qtype]).data_ptr() == bits.data_ptr()  # no copy
 
 
-@pytest.mark.parametrize("shape", [(256, 384), (128, 128), (200, 300)], ids=["blocks", "one-block", "ragged"])
+@pytest.mark.parametrize(
+    "shape", [(256, 384), (128, 128), (200, 300), (130, 131)], ids=["blocks", "one-block", "ragged", "odd-in"]
+)
 def test_fp8_block_matches_transformers_bit_for_bit(shape: tuple[int, int]) -> None:
     weight = random_fp8_weight(shape, seed=shape[0])
     ours = dequantize(weight)

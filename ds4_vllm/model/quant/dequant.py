@@ -29,36 +29,60 @@ from ds4_vllm.model.quant import (
 IndexLike = int | Sequence[int] | torch.Tensor
 
 
-def _iq2xxs_tables() -> tuple[torch.Tensor, torch.Tensor]:
-    """(grid [256, 8] magnitudes 8/25/43, signs [128, 8] of +-1) from gguf-py's IQ2_XXS tables."""
+def _iq2xxs_signed_grid() -> torch.Tensor:
+    """[256 * 128, 8] float32: grid row g (magnitudes 8/25/43) with sign pattern p at row g * 128 + p.
+
+    Both tables come from gguf-py's IQ2_XXS (``grid`` after ``init_grid()``, ``ksigns``).
+    """
     _GGUF_IQ2_XXS.init_grid()
     grid = torch.from_numpy(np.asarray(_GGUF_IQ2_XXS.grid, dtype=np.float32).reshape(256, 8).copy())
     ksigns = torch.from_numpy(np.frombuffer(_GGUF_IQ2_XXS.ksigns, dtype=np.uint8).copy()).to(torch.int32)
     negative = (ksigns[:, None] >> torch.arange(8, dtype=torch.int32)) & 1
     signs = torch.where(negative == 1, -1.0, 1.0).to(torch.float32)
-    return grid, signs
+    return (grid[:, None, :] * signs[None, :, :]).reshape(256 * 128, 8)
 
 
-_IQ2XXS_GRID, _IQ2XXS_SIGNS = _iq2xxs_tables()
+def _fp4_pairs() -> torch.Tensor:
+    """[256] int64 whose bytes are the two float32 values (low nibble first) of an MXFP4 byte.
 
-# E2M1 code -> value, code bit 3 = sign (the order transformers' FP4 table uses).
-_FP4_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=torch.float32,
-)
-# Byte -> (value of low nibble, value of high nibble): one gather per byte instead of per code.
-_FP4_PAIRS = torch.stack((_FP4_VALUES[torch.arange(256) & 0xF], _FP4_VALUES[torch.arange(256) >> 4]), dim=-1)
+    E2M1 code bit 3 is the sign (transformers' table order); one 8-byte gather per packed
+    byte is several times faster than two float gathers.
+    """
+    values = torch.tensor(
+        [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+        dtype=torch.float32,
+    )
+    byte = torch.arange(256)
+    return (
+        torch.stack((values[byte & 0xF], values[byte >> 4]), dim=-1).contiguous().view(torch.int64).view(256)
+    )
 
+
+def _fp8_pairs() -> torch.Tensor:
+    """[65536] int64 whose bytes are the float32 values of the two E4M3 bytes of a little-endian uint16."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    pair = torch.arange(65536)
+    return (
+        torch.stack((values[pair & 0xFF], values[pair >> 8]), dim=-1).contiguous().view(torch.int64).view(-1)
+    )
+
+
+_TABLE_BUILDERS = {"iq2_signed_grid": _iq2xxs_signed_grid, "fp4_pairs": _fp4_pairs, "fp8_pairs": _fp8_pairs}
 _table_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def _table(name: str, device: torch.device) -> torch.Tensor:
-    """A constant table on ``device``, copied there once."""
+    """A constant lookup table on ``device``, built (on CPU) and copied there once."""
     key = (name, device)
     if key not in _table_cache:
-        source = {"iq2_grid": _IQ2XXS_GRID, "iq2_signs": _IQ2XXS_SIGNS, "fp4_pairs": _FP4_PAIRS}[name]
-        _table_cache[key] = source.to(device)
+        cpu_key = (name, torch.device("cpu"))
+        if cpu_key not in _table_cache:
+            _table_cache[cpu_key] = _TABLE_BUILDERS[name]()
+        _table_cache[key] = _table_cache[cpu_key].to(device)
     return _table_cache[key]
+
+
+_table("iq2_signed_grid", torch.device("cpu"))  # read gguf-py's tables at import time
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -81,8 +105,7 @@ def _blocks(data: torch.Tensor, bytes_per_block: int) -> torch.Tensor:
 def _dequant_q8_0(data: torch.Tensor) -> torch.Tensor:
     blocks = _blocks(data, 34)
     d = _f16(blocks, 0)
-    q = blocks[:, 2:].view(torch.int8).to(torch.float32)
-    return q * d
+    return blocks[:, 2:].view(torch.int8).to(torch.float32).mul_(d)
 
 
 def _dequant_q2_k(data: torch.Tensor) -> torch.Tensor:
@@ -92,9 +115,9 @@ def _dequant_q2_k(data: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(blocks, 80), _f16(blocks, 82)
     dl = (d * (scales & 0xF).to(torch.float32)).view(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).view(n, 16, 1)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device).view(1, 1, 4, 1)
-    q = ((qs.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 16, 16).to(torch.float32)
-    return (dl * q - ml).view(n, 256)
+    halves = qs.reshape(n, 2, 32)
+    q = torch.stack((halves & 3, (halves >> 2) & 3, (halves >> 4) & 3, halves >> 6), dim=2)
+    return q.view(n, 16, 16).to(torch.float32).mul_(dl).sub_(ml).view(n, 256)
 
 
 def _dequant_q4_k(data: torch.Tensor) -> torch.Tensor:
@@ -109,9 +132,9 @@ def _dequant_q4_k(data: torch.Tensor) -> torch.Tensor:
     mn = torch.cat((mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)), dim=-1)
     dl = (d * sc.to(torch.float32)).view(n, 8, 1)
     ml = (dmin * mn.to(torch.float32)).view(n, 8, 1)
-    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=data.device).view(1, 1, 2, 1)
-    q = ((blocks[:, 16:].reshape(n, 4, 1, 32) >> shifts) & 0xF).reshape(n, 8, 32).to(torch.float32)
-    return (dl * q - ml).view(n, 256)
+    chunks = blocks[:, 16:].reshape(n, 4, 32)
+    q = torch.stack((chunks & 0xF, chunks >> 4), dim=2)  # low nibbles: sub-block 2j, high: 2j+1
+    return q.view(n, 8, 32).to(torch.float32).mul_(dl).sub_(ml).view(n, 256)
 
 
 def _dequant_iq2_xxs(data: torch.Tensor) -> torch.Tensor:
@@ -127,9 +150,12 @@ def _dequant_iq2_xxs(data: torch.Tensor) -> torch.Tensor:
     db = (d * (0.5 + (aux32 >> 28).to(torch.float32)) * 0.25).view(n, 8, 1, 1)
     sign_shift = torch.tensor([0, 7, 14, 21], dtype=torch.int64, device=data.device)
     sign_index = (aux32.unsqueeze(-1) >> sign_shift) & 0x7F
-    grid = _table("iq2_grid", data.device)[grid_index]
-    signs = _table("iq2_signs", data.device)[sign_index]
-    return (db * grid * signs).view(n, 256)
+    # One gather from the signed grid (grid row x sign pattern): +-g is exact, so db * (+-g)
+    # equals gguf-py's (db * g) * (+-1) bit for bit.
+    signed_rows = _table("iq2_signed_grid", data.device).index_select(
+        0, (grid_index * 128 + sign_index).view(-1)
+    )
+    return signed_rows.view(n, 8, 4, 8).mul_(db).view(n, 256)
 
 
 _GGUF_KERNELS: dict[QuantType, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -141,24 +167,33 @@ _GGUF_KERNELS: dict[QuantType, Callable[[torch.Tensor], torch.Tensor]] = {
 _PLAIN_DTYPES = {QuantType.F32: torch.float32, QuantType.F16: torch.float16, QuantType.BF16: torch.bfloat16}
 
 
+def _e4m3_to_float(data: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes -> float32 (NaN codes stay NaN), two bytes per table gather when rows are even."""
+    if data.shape[-1] % 2 or data.numel() == 0:
+        return data.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    pairs = data.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    values = _table("fp8_pairs", data.device).index_select(0, pairs.view(-1))
+    return values.view(torch.float32).view(data.shape)
+
+
 def _fp8_block(data: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """E4M3 bytes [..., rows, in] times the per-row block scales [..., rows, ceil(in/128)]."""
     cols = data.shape[-1]
     n_col_blocks = row_scale.shape[-1]
     pad = n_col_blocks * FP8_BLOCK_SIZE - cols
-    q = data.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    q = _e4m3_to_float(data)
     if pad:
         q = F.pad(q, (0, pad))
-    q = q.view(*q.shape[:-1], n_col_blocks, FP8_BLOCK_SIZE)
-    out = (q * e8m0_to_float(row_scale).unsqueeze(-1)).view(*q.shape[:-2], n_col_blocks * FP8_BLOCK_SIZE)
-    return out[..., :cols].contiguous() if pad else out
+    q = q.view(*q.shape[:-1], n_col_blocks, FP8_BLOCK_SIZE).mul_(e8m0_to_float(row_scale).unsqueeze(-1))
+    q = q.view(*q.shape[:-2], n_col_blocks * FP8_BLOCK_SIZE)
+    return q[..., :cols].contiguous() if pad else q
 
 
 def _mxfp4(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """E2M1 code pairs [..., in/2] (low nibble = even column) times E8M0 scales [..., in/32]."""
-    values = _table("fp4_pairs", data.device)[data.to(torch.int32)]  # [..., in/2, 2]
-    values = values.view(*scale.shape, MXFP4_GROUP_SIZE)
-    return (values * e8m0_to_float(scale).unsqueeze(-1)).view(*data.shape[:-1], 2 * data.shape[-1])
+    pairs = _table("fp4_pairs", data.device).index_select(0, data.reshape(-1).to(torch.int32))
+    values = pairs.view(torch.float32).view(*scale.shape, MXFP4_GROUP_SIZE)  # int64 = two float32
+    return values.mul_(e8m0_to_float(scale).unsqueeze(-1)).view(*data.shape[:-1], 2 * data.shape[-1])
 
 
 def _resolve_index(index: IndexLike, length: int, device: torch.device) -> torch.Tensor:
