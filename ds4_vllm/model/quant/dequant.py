@@ -23,7 +23,6 @@ from ds4_vllm.model.quant import (
     MXFP4_GROUP_SIZE,
     QuantizedWeight,
     QuantType,
-    block_layout,
 )
 
 IndexLike = int | Sequence[int] | torch.Tensor
@@ -257,10 +256,4 @@ def dequantize(
     return values[0] if squeeze else values
 
 
-def values_per_byte(qtype: QuantType) -> float:
-    """Logical values stored per packed data byte (scale tensors not counted)."""
-    per_block, nbytes = block_layout(qtype)
-    return per_block / nbytes
-
-
-__all__ = ["dequantize", "e8m0_to_float", "values_per_byte", "IndexLike"]
+__all__ = ["dequantize", "e8m0_to_float", "IndexLike"]
