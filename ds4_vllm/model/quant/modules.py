@@ -1,0 +1,282 @@
+"""Linear layers and routed-expert stacks whose weights stay packed until they are used.
+
+How the model uses them
+-----------------------
+- Dense projections (attention ``wq_a``/``wq_b``/``wkv``/``wo_a``/``wo_b``, shared experts,
+  ``head``): build ``QuantLinear(in_features, out_features)`` instead of ``nn.Linear``. It holds
+  no weight until the loader calls ``set_weight(tensor_or_quantized_weight)``; ``forward(x)``
+  dequantizes to ``x.dtype`` and calls ``F.linear``.
+- Routed experts: build ``QuantExperts(n_experts, hidden, ffn, limit)`` instead of the float
+  ``Experts``. The loader fills ``gate_proj`` (w1, [E, ffn, hidden]), ``up_proj`` (w3,
+  [E, ffn, hidden]) and ``down_proj`` (w2, [E, hidden, ffn]) with ``set_weight`` (a whole GGUF
+  stack) or ``set_expert(e, w)`` (one safetensors expert at a time; packed storage for the
+  stack is allocated once, at the packed size). ``forward(x, indices, weights)`` has the float
+  ``Experts`` semantics and dequantizes only the experts the batch selected, a few at a time.
+  A transformers-style float ``gate_up_proj`` [E, 2*ffn, hidden] goes in as its two halves
+  (``w[:, :ffn]`` to gate, ``w[:, ffn:]`` to up).
+- ``.to(device)`` moves the packed bytes; ``.to(dtype)`` leaves packed bytes alone and casts
+  plain float weights only.
+
+Where a GPU kernel plugs in
+---------------------------
+Every dense matmul goes through ``quant_linear(x, weight)`` and every expert group through
+``QuantExperts.expert_forward``; a fused dequant+matmul kernel replaces those two functions
+(dispatching on ``QuantizedWeight.qtype``) without touching the modules' storage or loaders.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds4_vllm.model.quant import QuantizedWeight, QuantType, packed_shape, scale_shape
+from ds4_vllm.model.quant.dequant import IndexLike, dequantize
+
+WeightLike = torch.Tensor | QuantizedWeight
+
+
+def quant_linear(x: torch.Tensor, weight: WeightLike, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a weight that may be packed: dequantized to ``x.dtype`` for this call only."""
+    if isinstance(weight, QuantizedWeight):
+        w = dequantize(weight, dtype=x.dtype)
+    else:
+        w = weight.to(x.dtype)
+    return F.linear(x, w, bias)
+
+
+class _PackedWeightHolder(nn.Module):
+    """Buffers for one weight of logical shape ``shape``: a float tensor or packed bytes + scales.
+
+    The buffers are ``weight`` (float weights), or ``weight_packed`` and ``weight_scale``
+    (packed); the unused ones are None. Before ``set_weight`` all three are None (not a meta
+    tensor, which ``Module.to(device)`` cannot copy), so constructing a model allocates nothing.
+    """
+
+    def __init__(self, shape: tuple[int, ...], name: str) -> None:
+        super().__init__()
+        self.shape = tuple(int(d) for d in shape)
+        self.name = name
+        self.qtype: QuantType | None = None
+        self.register_buffer("weight", None)
+        self.register_buffer("weight_packed", None)
+        self.register_buffer("weight_scale", None)
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.qtype is not None or self.weight is not None
+
+    def _store(self, w: WeightLike) -> None:
+        if isinstance(w, QuantizedWeight):
+            if w.shape != self.shape:
+                raise ValueError(
+                    f"{self.name}: {w.qtype.value} weight has logical shape {w.shape}, expected {self.shape}"
+                )
+            self.qtype = w.qtype
+            self.weight = None
+            self.weight_packed = w.data
+            self.weight_scale = w.scale
+        elif isinstance(w, torch.Tensor):
+            if tuple(w.shape) != self.shape:
+                raise ValueError(f"{self.name}: weight has shape {tuple(w.shape)}, expected {self.shape}")
+            if not w.dtype.is_floating_point:
+                raise TypeError(
+                    f"{self.name}: a plain weight must be a float tensor, got {w.dtype} "
+                    "(wrap packed bytes in a QuantizedWeight)"
+                )
+            self.qtype = None
+            self.weight = w
+            self.weight_packed = None
+            self.weight_scale = None
+        else:
+            raise TypeError(f"{self.name}: expected a tensor or QuantizedWeight, got {type(w).__name__}")
+
+    def stored_weight(self) -> WeightLike:
+        """The weight as stored: the float tensor, or a QuantizedWeight over the packed buffers."""
+        if not self.is_loaded:
+            raise RuntimeError(f"{self.name}: weight was never set (call set_weight first)")
+        if self.qtype is None:
+            return self.weight
+        return QuantizedWeight(self.qtype, self.shape, self.weight_packed, self.weight_scale)
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the stored weight (0 before it is set)."""
+        if not self.is_loaded:
+            return 0
+        w = self.stored_weight()
+        return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+
+    def extra_repr(self) -> str:
+        kind = (
+            self.qtype.value
+            if self.qtype is not None
+            else (str(self.weight.dtype) if self.is_loaded else "unset")
+        )
+        return f"shape={self.shape}, weight={kind}"
+
+
+class QuantLinear(_PackedWeightHolder):
+    """A bias-free linear layer (``y = x @ W.T``) whose weight may stay packed."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__((out_features, in_features), "QuantLinear")
+        self.in_features, self.out_features = in_features, out_features
+
+    def set_weight(self, w: WeightLike) -> None:
+        """Install the [out, in] weight: a float tensor or a QuantizedWeight (kept packed)."""
+        self._store(w)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a float tensor of ``dtype`` (a new tensor for packed weights)."""
+        w = self.stored_weight()
+        return dequantize(w, dtype=dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.stored_weight())
+
+
+class QuantExpertWeight(_PackedWeightHolder):
+    """One stacked routed-expert projection of logical shape [n_experts, out, in]."""
+
+    def __init__(self, n_experts: int, out_features: int, in_features: int, name: str = "experts") -> None:
+        super().__init__((n_experts, out_features, in_features), name)
+        self.register_buffer("_expert_set", torch.zeros(n_experts, dtype=torch.bool), persistent=False)
+
+    @property
+    def n_experts(self) -> int:
+        return self.shape[0]
+
+    def set_weight(self, w: WeightLike) -> None:
+        """Install the whole [E, out, in] stack (e.g. a GGUF ``ffn_*_exps`` tensor)."""
+        self._store(w)
+        self._expert_set.fill_(True)
+
+    def set_expert(self, expert: int, w: WeightLike) -> None:
+        """Install one expert's [out, in] weight; packed storage for the stack is allocated on first use."""
+        if not 0 <= expert < self.n_experts:
+            raise IndexError(f"{self.name}: expert {expert} is out of range for {self.n_experts} experts")
+        one_shape = self.shape[1:]
+        if isinstance(w, QuantizedWeight):
+            if w.shape != one_shape:
+                raise ValueError(
+                    f"{self.name}[{expert}]: {w.qtype.value} weight has logical shape {w.shape}, expected {one_shape}"
+                )
+            if not self._allocated_for(w.qtype, w.data.device, torch.uint8):
+                self._allocate_packed(w)
+            self.weight_packed[expert].copy_(w.data)
+            if w.scale is not None:
+                self.weight_scale[expert].copy_(w.scale)
+        elif isinstance(w, torch.Tensor):
+            if tuple(w.shape) != one_shape:
+                raise ValueError(
+                    f"{self.name}[{expert}]: weight has shape {tuple(w.shape)}, expected {one_shape}"
+                )
+            if not w.dtype.is_floating_point:
+                raise TypeError(
+                    f"{self.name}[{expert}]: a plain weight must be a float tensor, got {w.dtype}"
+                )
+            if not self._allocated_for(None, w.device, w.dtype):
+                self._store(torch.empty(self.shape, dtype=w.dtype, device=w.device))
+                self._expert_set.fill_(False)
+            self.weight[expert].copy_(w)
+        else:
+            raise TypeError(
+                f"{self.name}[{expert}]: expected a tensor or QuantizedWeight, got {type(w).__name__}"
+            )
+        self._expert_set[expert] = True
+
+    def _allocated_for(self, qtype: QuantType | None, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the stack's storage already holds experts of this kind; a different kind is an error."""
+        if not self.is_loaded:
+            return False
+        stored = self.qtype.value if self.qtype is not None else str(self.weight.dtype)
+        wanted = qtype.value if qtype is not None else str(dtype)
+        if stored != wanted:
+            loaded = self._expert_set.nonzero().flatten().tolist()[:4]
+            raise ValueError(
+                f"{self.name}: experts {loaded}... are {stored}, this one is {wanted}; "
+                "all experts of a stack must share one type"
+            )
+        return True
+
+    def _allocate_packed(self, one: QuantizedWeight) -> None:
+        device = one.data.device
+        data = torch.empty(packed_shape(one.qtype, self.shape), dtype=torch.uint8, device=device)
+        want_scale = scale_shape(one.qtype, self.shape)
+        scale = None if want_scale is None else torch.empty(want_scale, dtype=torch.uint8, device=device)
+        self._store(QuantizedWeight(one.qtype, self.shape, data, scale))
+        self._expert_set.fill_(False)
+
+    def missing_experts(self) -> list[int]:
+        """Experts not installed yet (a loader checks this is empty before serving)."""
+        return (~self._expert_set).nonzero().flatten().tolist()
+
+    def expert_weights(self, ids: IndexLike, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Float weights of the experts ``ids`` ([len(ids), out, in]); only those are dequantized."""
+        w = self.stored_weight()
+        if isinstance(w, QuantizedWeight):
+            return dequantize(w, index=ids, dtype=dtype)
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.as_tensor(ids, dtype=torch.int64)
+        return w.index_select(0, ids.to(device=w.device, dtype=torch.int64)).to(dtype)
+
+
+class QuantExperts(nn.Module):
+    """Routed experts (SwiGLU with clamp ``limit``) with packed stacked weights.
+
+    ``dequant_budget_bytes`` bounds the float weights dequantized at once: experts are
+    processed in groups whose gate+up+down weights fit in it (at least one expert per group).
+    """
+
+    def __init__(
+        self, n_experts: int, hidden: int, ffn: int, limit: float, dequant_budget_bytes: int = 512 << 20
+    ) -> None:
+        super().__init__()
+        self.gate_proj = QuantExpertWeight(n_experts, ffn, hidden, "experts.gate_proj (w1)")
+        self.up_proj = QuantExpertWeight(n_experts, ffn, hidden, "experts.up_proj (w3)")
+        self.down_proj = QuantExpertWeight(n_experts, hidden, ffn, "experts.down_proj (w2)")
+        self.n_experts, self.hidden, self.ffn = n_experts, hidden, ffn
+        self.limit = limit
+        self.dequant_budget_bytes = dequant_budget_bytes
+
+    def missing_experts(self) -> dict[str, list[int]]:
+        """Per projection, the experts not installed yet (empty lists when fully loaded)."""
+        return {p.name: p.missing_experts() for p in (self.gate_proj, self.up_proj, self.down_proj)}
+
+    def experts_per_group(self, dtype: torch.dtype) -> int:
+        per_expert = 3 * self.hidden * self.ffn * torch.empty((), dtype=dtype).element_size()
+        return max(1, self.dequant_budget_bytes // per_expert)
+
+    def expert_forward(
+        self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> torch.Tensor:
+        """One expert on its tokens ``x`` [n, hidden] with float weights gate/up [ffn, hidden], down [hidden, ffn]."""
+        g = F.linear(x, gate).clamp(max=self.limit)
+        u = F.linear(x, up).clamp(min=-self.limit, max=self.limit)
+        return F.linear(F.silu(g) * u, down)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` [tokens, hidden]; ``indices``/``weights`` [tokens, top_k] from the router."""
+        out = torch.zeros_like(x)
+        top_k = indices.shape[1]
+        flat = indices.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        used = counts.nonzero().flatten()
+        starts = (torch.cumsum(counts, 0) - counts)[used].tolist()
+        used_counts = counts[used].tolist()
+        token_of, slot_of = order // top_k, order % top_k
+        group = self.experts_per_group(x.dtype)
+        for g0 in range(0, used.numel(), group):
+            ids = used[g0 : g0 + group]
+            gate = self.gate_proj.expert_weights(ids, x.dtype)
+            up = self.up_proj.expert_weights(ids, x.dtype)
+            down = self.down_proj.expert_weights(ids, x.dtype)
+            for j in range(ids.numel()):
+                start, count = starts[g0 + j], used_counts[g0 + j]
+                tokens = token_of[start : start + count]
+                slots = slot_of[start : start + count]
+                y = self.expert_forward(x[tokens], gate[j], up[j], down[j])
+                out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
+        return out
