@@ -14,6 +14,7 @@ from torch import nn
 
 from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheLayer, Ds4CacheMetadata
 from ds4_vllm.model.layers import RMSNorm, rms_norm
+from ds4_vllm.model.quant.modules import QuantLinear
 from ds4_vllm.model.rope import TailRope
 
 NEG_INF = float("-inf")
@@ -34,8 +35,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.width, self.ratio, self.rope = width, ratio, rope
         self.coff = 2 if ratio == 4 else 1
-        self.kv_proj = nn.Linear(hidden, self.coff * width, bias=False)
-        self.gate_proj = nn.Linear(hidden, self.coff * width, bias=False)
+        self.kv_proj = QuantLinear(hidden, self.coff * width)
+        self.gate_proj = QuantLinear(hidden, self.coff * width)
         self.position_bias = nn.Parameter(torch.zeros(ratio, self.coff * width))
         self.kv_norm = RMSNorm(width, eps)
         self.window = self.coff * ratio
@@ -95,9 +96,9 @@ class Indexer(nn.Module):
         self.compressor = Compressor(
             config.hidden_size, self.head_dim, 4, rope, config.rms_norm_eps, prefix, dtype
         )
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.q_b_proj = QuantLinear(config.q_lora_rank, self.n_heads * self.head_dim)
         self.scorer = nn.Module()
-        self.scorer.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.scorer.weights_proj = QuantLinear(config.hidden_size, self.n_heads)
 
     def select(
         self,
@@ -141,14 +142,14 @@ class Ds4Attention(nn.Module):
         rope_label = "main" if self.ratio == 0 else "compress"
         self.rope = TailRope(config.rope_parameters[rope_label], rope_dim)
 
-        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_proj = QuantLinear(hidden, config.q_lora_rank)
         self.q_a_norm = RMSNorm(config.q_lora_rank, self.eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.kv_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.q_b_proj = QuantLinear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.kv_proj = QuantLinear(hidden, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
         in_per_group = self.n_heads * self.head_dim // self.o_groups
-        self.o_a_proj = nn.Linear(in_per_group, self.o_groups * config.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(self.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.o_a_proj = QuantLinear(in_per_group, self.o_groups * config.o_lora_rank)
+        self.o_b_proj = QuantLinear(self.o_groups * config.o_lora_rank, hidden)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads))
 
         self.swa_cache = Ds4CacheLayer.raw_window(f"{prefix}.swa_cache", self.head_dim, self.window, dtype)
@@ -175,7 +176,7 @@ class Ds4Attention(nn.Module):
 
         out = self.rope(out, positions, inverse=True)
         grouped = out.reshape(n, self.o_groups, -1)
-        weight = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])
+        weight = self.o_a_proj.dequantized_weight(grouped.dtype).view(self.o_groups, -1, grouped.shape[-1])
         z = torch.einsum("tgi,goi->tgo", grouped, weight).reshape(n, -1)
         return self.o_b_proj(z)
 

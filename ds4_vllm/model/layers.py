@@ -1,7 +1,8 @@
 """Cache-free building blocks of DeepSeek V4: norms, hyper-connections and the MoE FFN.
 
-Parameter names mirror transformers' ``DeepseekV4ForCausalLM`` so a checkpoint
-written by ``save_pretrained`` loads without renaming.
+Module names mirror transformers' in-memory ``DeepseekV4ForCausalLM``; `weight_names` maps the
+other checkpoint layouts onto them. Projections and routed experts are `model.quant` modules, so
+quantized checkpoints stay packed.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ds4_vllm.model.quant.modules import QuantExperts, QuantLinear
 
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,9 +96,9 @@ class HyperHead(nn.Module):
 class SharedExpert(nn.Module):
     def __init__(self, hidden: int, ffn: int, limit: float) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_proj = QuantLinear(hidden, ffn)
+        self.up_proj = QuantLinear(hidden, ffn)
+        self.down_proj = QuantLinear(ffn, hidden)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,43 +137,6 @@ class Router(nn.Module):
         return weights * self.scale, indices
 
 
-class Experts(nn.Module):
-    """Routed experts as stacked tensors; only the experts a batch selects are evaluated.
-
-    One stack per projection, as the checkpoints store them: ``gate_proj`` (w1) and ``up_proj``
-    (w3) are [E, ffn, hidden], ``down_proj`` (w2) is [E, hidden, ffn].
-    """
-
-    def __init__(self, n_experts: int, hidden: int, ffn: int, limit: float) -> None:
-        super().__init__()
-        self.gate_proj = nn.Parameter(torch.zeros(n_experts, ffn, hidden))
-        self.up_proj = nn.Parameter(torch.zeros(n_experts, ffn, hidden))
-        self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, ffn))
-        self.n_experts = n_experts
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        flat_experts = indices.flatten()
-        order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
-        token_of = order // indices.shape[1]
-        slot_of = order % indices.shape[1]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            tokens = token_of[start : start + count]
-            slots = slot_of[start : start + count]
-            start += count
-            rows = x[tokens]
-            gate = F.linear(rows, self.gate_proj[expert]).clamp(max=self.limit)
-            up = F.linear(rows, self.up_proj[expert]).clamp(min=-self.limit, max=self.limit)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[tokens, slots, None].to(x.dtype)
-            out.index_add_(0, tokens, y)
-        return out
-
-
 class MoE(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
@@ -183,7 +149,7 @@ class MoE(nn.Module):
             hashed,
             config.routed_scaling_factor,
         )
-        self.experts = Experts(
+        self.experts = QuantExperts(
             config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         )
         self.shared_experts = SharedExpert(

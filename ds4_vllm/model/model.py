@@ -19,6 +19,7 @@ from vllm.forward_context import get_forward_context
 from ds4_vllm.model.attention import Ds4Attention
 from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheMetadata
 from ds4_vllm.model.layers import HyperConnection, HyperHead, MoE, RMSNorm
+from ds4_vllm.model.quant.modules import QuantLinear
 from ds4_vllm.model.weight_loader import CheckpointLoader
 
 
@@ -107,9 +108,10 @@ class Ds4ForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         dtype = vllm_config.model_config.dtype
+        self.dtype = dtype
         model_prefix = f"{prefix}.model" if prefix else "model"
         self.model = Ds4Model(config, model_prefix, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = QuantLinear(config.hidden_size, config.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -150,4 +152,4 @@ class Ds4ForCausalLM(nn.Module):
 
         Errors name the checkpoint tensor; `mtp.*` tensors are skipped with one log line.
         """
-        return CheckpointLoader(self).load(weights)
+        return CheckpointLoader(self, self.dtype).load(weights)

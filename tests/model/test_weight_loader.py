@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ds4_vllm.model.config import Ds4Config, to_transformers_config
+from ds4_vllm.model.quant.modules import QuantLinear
 from ds4_vllm.model.weight_loader import CheckpointLoader
 
 SMALL = dict(
@@ -49,7 +50,7 @@ class _Holder(nn.Module):
 
         with set_current_vllm_config(VllmConfig()):
             self.model = Ds4Model(config, "model", torch.float32)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = QuantLinear(config.hidden_size, config.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,10 @@ def _expected(model) -> dict[str, torch.Tensor]:
         )
         if ours.endswith("experts.gate_up_proj"):
             gate, up = tensor.chunk(2, dim=1)
-            out[ours.replace("gate_up_proj", "gate_proj")] = gate
-            out[ours.replace("gate_up_proj", "up_proj")] = up
+            out[ours.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[ours.replace("gate_up_proj", "up_proj.weight")] = up
+        elif ours.endswith("experts.down_proj"):
+            out[f"{ours}.weight"] = tensor
         else:
             out[ours] = tensor
     return out
@@ -101,8 +104,9 @@ def _expected(model) -> dict[str, torch.Tensor]:
 
 def _load(config, weights):
     holder = _Holder(config)
-    loaded = CheckpointLoader(holder).load(weights)
+    loaded = CheckpointLoader(holder, torch.float32).load(weights)
     return holder, loaded
+
 
 
 def _assert_same(holder, model) -> None:
@@ -173,7 +177,7 @@ def test_mtp_tensors_are_skipped_with_one_log_line(reference, caplog) -> None:
         ),
         (
             lambda w: w.update({"head.weight": torch.zeros(3, 3)}),
-            "'head.weight' has shape (3, 3), expected (512, 64)",
+            "'head.weight': lm_head: weight has shape (3, 3), expected (512, 64)",
         ),
         (
             lambda w: w.pop("layers.3.ffn.experts.2.w3.weight"),
