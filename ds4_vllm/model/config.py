@@ -97,11 +97,20 @@ class Ds4Config(DeepseekV4Config):
         `--hf-overrides '{"ds4_official_numerics": false}'`; unset, `official_numerics_default`
         decides when the config is read (on for the official release and GGUF files, off for
         the embedded default model and transformers-saved float checkpoints).
+
+        Checked on every read, so a value set after construction (`--hf-overrides`) is checked
+        too (`check_official_numerics`).
         """
+        self.check_official_numerics()
+        return bool(getattr(self, OFFICIAL_NUMERICS_KEY, None))
+
+    def check_official_numerics(self) -> None:
+        """Raise ValueError for a non-bool switch, or, when on, widths the round trips cannot block."""
         value = getattr(self, OFFICIAL_NUMERICS_KEY, None)
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"Ds4Config.{OFFICIAL_NUMERICS_KEY}: must be true or false, got {value!r}")
-        return bool(value)
+        if value:
+            self._check_official_numerics_widths()
 
     @property
     def rope_dim(self) -> int:
@@ -183,8 +192,7 @@ class Ds4Config(DeepseekV4Config):
             "num_experts_per_tok",
             f"must be in 1..n_routed_experts={self.n_routed_experts}, got {self.num_experts_per_tok}",
         )
-        if self.official_numerics:
-            self._check_official_numerics_widths(need)
+        self.check_official_numerics()
         for field in (
             "q_lora_rank",
             "o_lora_rank",
@@ -195,8 +203,12 @@ class Ds4Config(DeepseekV4Config):
         ):
             need(getattr(self, field) > 0, field, f"must be > 0, got {getattr(self, field)}")
 
-    def _check_official_numerics_widths(self, need) -> None:
+    def _check_official_numerics_widths(self) -> None:
         from ds4_vllm.model.qat import FP4_BLOCK, FP8_KV_BLOCK, HADAMARD_BLOCK
+
+        def need(ok: bool, field: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"Ds4Config.{field}: {why}")
 
         nope = self.head_dim - self.rope_dim
         need(

@@ -205,7 +205,10 @@ def test_switch_rejects_bad_values_and_widths():
     bad_width = default_config().to_dict() | {OFFICIAL_NUMERICS_KEY: True, "index_head_dim": 96}
     with pytest.raises(ValueError, match="Ds4Config.index_head_dim: ds4_official_numerics: 96"):
         Ds4Config.from_config_dict(bad_width)
-    Ds4Config.from_config_dict(bad_width | {OFFICIAL_NUMERICS_KEY: False})  # off: any width
+    off = Ds4Config.from_config_dict(bad_width | {OFFICIAL_NUMERICS_KEY: False})  # off: any width
+    off.update({OFFICIAL_NUMERICS_KEY: True})  # switched on later (--hf-overrides): checked on read
+    with pytest.raises(ValueError, match="Ds4Config.index_head_dim: ds4_official_numerics: 96"):
+        _ = off.official_numerics
 
 
 # ---- Model level --------------------------------------------------------------------------
