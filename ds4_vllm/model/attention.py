@@ -4,9 +4,18 @@ Per layer and step, writes come before reads: the step's raw rows and compressor
 inputs are stored first, then every token that closes a window emits its
 compressed row, and only then do queries gather their keys. So a chunk sees its
 own tokens exactly as a single full prefill would.
+
+With `Ds4Config.official_numerics` on, rows take the official graph's quantization round trips
+(`qat.py`) before they are cached, and indexer queries before they are scored: the FP8 round
+trip on main KV rows (raw and compressed), Hadamard + FP4 on indexer queries and indexer rows.
+Cached indexer rows are then in the rotated basis, as in ds4's own cache. Off, none of this
+code runs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +23,7 @@ from torch import nn
 
 from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheLayer, Ds4CacheMetadata
 from ds4_vllm.model.layers import RMSNorm, rms_norm
+from ds4_vllm.model.qat import fp8_kv_roundtrip, indexer_qat
 from ds4_vllm.model.quant.modules import QuantLinear
 from ds4_vllm.model.rope import TailRope
 
@@ -27,13 +37,23 @@ class Compressor(nn.Module):
     The per-token inputs ``[kv | gate + position_bias]`` are cached for the last
     ``coff * ratio`` tokens; the row for window ``c`` is pooled when token
     ``ratio * c + ratio - 1`` is processed and stored in the slot of token ``ratio * c``.
+    ``finish_row`` (official numerics) maps each pooled, normed, rotated row to what is cached.
     """
 
     def __init__(
-        self, hidden: int, width: int, ratio: int, rope: TailRope, eps: float, prefix: str, dtype
+        self,
+        hidden: int,
+        width: int,
+        ratio: int,
+        rope: TailRope,
+        eps: float,
+        prefix: str,
+        dtype,
+        finish_row: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.width, self.ratio, self.rope = width, ratio, rope
+        self.finish_row = finish_row
         self.coff = 2 if ratio == 4 else 1
         self.kv_proj = QuantLinear(hidden, self.coff * width)
         self.gate_proj = QuantLinear(hidden, self.coff * width)
@@ -72,6 +92,8 @@ class Compressor(nn.Module):
         pooled = (kv_rows * score_rows.softmax(dim=1)).sum(dim=1).to(y.dtype)
         first = last + 1 - r
         compressed = self.rope(self.kv_norm(pooled), first)
+        if self.finish_row is not None:
+            compressed = self.finish_row(compressed)
         self.kv_cache.write(metadata[self.kv_cache.prefix], req, first, compressed)
 
     def rows(self, metadata: dict, request: int, count: int, device) -> torch.Tensor:
@@ -92,9 +114,17 @@ class Indexer(nn.Module):
             config.index_topk,
         )
         self.rope = rope
+        self.official_numerics = config.official_numerics
         # Same construction as the ratio-4 compressor, narrower rows.
         self.compressor = Compressor(
-            config.hidden_size, self.head_dim, 4, rope, config.rms_norm_eps, prefix, dtype
+            config.hidden_size,
+            self.head_dim,
+            4,
+            rope,
+            config.rms_norm_eps,
+            prefix,
+            dtype,
+            finish_row=indexer_qat if self.official_numerics else None,
         )
         self.q_b_proj = QuantLinear(config.q_lora_rank, self.n_heads * self.head_dim)
         self.scorer = nn.Module()
@@ -112,20 +142,31 @@ class Indexer(nn.Module):
         """Boolean [queries, count]: which compressed rows each query attends to."""
         keys = self.compressor.rows(metadata, request, count, y.device).float()
         q = self.q_b_proj(q_res).view(-1, self.n_heads, self.head_dim)
-        q = self.rope(q, positions).float()
+        q = self.rope(q, positions)
+        if self.official_numerics:
+            q = indexer_qat(q)
+        q = q.float()
         scores = F.relu(torch.einsum("thd,cd->thc", q, keys)) * self.head_dim**-0.5
         weights = self.scorer.weights_proj(y).float() * self.n_heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
         visible = torch.arange(count, device=y.device)[None, :] < ((positions + 1) // 4)[:, None]
-        if count <= self.topk:
-            return visible
-        scores = scores.masked_fill(~visible, NEG_INF)
-        # A stable sort breaks ties towards earlier rows, so the choice does not depend on how
-        # vLLM chunks the prefill (torch.topk's tie order depends on the tensor's shape).
-        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.topk]
-        chosen = torch.zeros_like(visible)
-        chosen.scatter_(1, top, True)
-        return chosen & visible
+        return select_top_rows(scores, visible, self.topk)
+
+
+def select_top_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """Boolean [queries, rows]: the ``topk`` best-scoring visible rows of each query (all if fewer).
+
+    Ties go to earlier rows, as in ds4's selection loop (strict ``>`` scanning rows in order).
+    A stable sort gives that order whatever the number of rows, so the choice does not depend
+    on how vLLM chunks a prefill (torch.topk's tie order depends on the tensor's shape).
+    """
+    if scores.shape[-1] <= topk:
+        return visible
+    scores = scores.masked_fill(~visible, NEG_INF)
+    top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    chosen = torch.zeros_like(visible)
+    chosen.scatter_(1, top, True)
+    return chosen & visible
 
 
 class Ds4Attention(nn.Module):
@@ -139,6 +180,8 @@ class Ds4Attention(nn.Module):
         self.o_groups = config.o_groups
         self.ratio = config.compress_ratios[layer_idx]
         rope_dim = config.rope_dim
+        # Official numerics: main KV rows are cached after an FP8 round trip of their no-RoPE dims.
+        self.finish_kv = partial(fp8_kv_roundtrip, rope_dim=rope_dim) if config.official_numerics else None
         rope_label = "main" if self.ratio == 0 else "compress"
         self.rope = TailRope(config.rope_parameters[rope_label], rope_dim)
 
@@ -156,7 +199,14 @@ class Ds4Attention(nn.Module):
         self.compressor: Compressor | None = None
         if self.ratio:
             self.compressor = Compressor(
-                hidden, self.head_dim, self.ratio, self.rope, self.eps, f"{prefix}.compressor", dtype
+                hidden,
+                self.head_dim,
+                self.ratio,
+                self.rope,
+                self.eps,
+                f"{prefix}.compressor",
+                dtype,
+                finish_row=self.finish_kv,
             )
             if self.ratio == 4:
                 self.compressor.indexer = Indexer(config, self.rope, f"{prefix}.compressor.indexer", dtype)
@@ -167,6 +217,8 @@ class Ds4Attention(nn.Module):
         q = rms_norm(self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim), self.eps)
         q = self.rope(q, positions)
         kv = self.rope(self.kv_norm(self.kv_proj(y)), positions)
+        if self.finish_kv is not None:
+            kv = self.finish_kv(kv)
 
         if metadata is None:
             # Profiling / warm-up run: no cache is bound, no state to read or write.

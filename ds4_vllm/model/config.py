@@ -7,6 +7,9 @@ keeps all of that away from our pure-PyTorch model while every field keeps its u
 
 The class also checks that a config describes a model ds4's graph can run (`check_ds4_layout`);
 it raises `ValueError` naming the offending field.
+
+`ds4_official_numerics` (see `Ds4Config.official_numerics`) switches on the quantization round
+trips of DeepSeek's official graph (`ds4_vllm.model.qat`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,26 @@ DS4_COMPRESS_RATES: dict[str, int] = {
     "compressed_sparse_attention": 4,
     "heavily_compressed_attention": 128,
 }
+
+
+#: Config key of the official-numerics switch (`Ds4Config.official_numerics`).
+OFFICIAL_NUMERICS_KEY = "ds4_official_numerics"
+#: config.json keys that only DeepSeek's quantized (QAT-trained FP8/FP4) releases carry
+#: (`from_config_dict` keeps `quantization_config` as `checkpoint_quantization`).
+QUANTIZED_RELEASE_KEYS = ("quantization_config", "checkpoint_quantization", "expert_dtype")
+
+
+def official_numerics_default(config: Any) -> bool:
+    """The switch's value when a config does not set it: on for DeepSeek's quantized releases.
+
+    A config read from the official release's config.json carries `quantization_config` (FP8
+    weights) and `expert_dtype` (FP4 experts): on. The embedded default model, configs written
+    by `Ds4Config`/transformers from float weights, and hand-built configs carry neither: off,
+    so logits stay comparable with transformers' DeepseekV4ForCausalLM, which has none of these
+    round trips. A loader that builds the config from a ds4 GGUF (a conversion of the official
+    release, which ds4 always runs with these numerics) sets the key to True itself.
+    """
+    return any(getattr(config, key, None) is not None for key in QUANTIZED_RELEASE_KEYS)
 
 
 def ds4_compress_ratio(layer: int) -> int:
@@ -58,7 +81,37 @@ class Ds4Config(DeepseekV4Config):
         # the nested dicts.
         if isinstance(self.rope_parameters, dict):
             self.rope_parameters.setdefault("rope_type", "default")
+        # Decided once, from the file as read: later edits of `quantization_config` (a loader
+        # taking over quantization) must not flip the numerics. Unset stays unset (off), so the
+        # default model's config.json is unchanged.
+        if getattr(self, OFFICIAL_NUMERICS_KEY, None) is None and official_numerics_default(self):
+            setattr(self, OFFICIAL_NUMERICS_KEY, True)
         self.check_ds4_layout()
+
+    @property
+    def official_numerics(self) -> bool:
+        """Whether the model applies the official graph's QAT round trips (`ds4_vllm.model.qat`).
+
+        The FP8 round trip of main KV rows and the Hadamard + FP4 round trip of indexer queries
+        and keys (spec ds4-model-and-vllm.md §1.11). Set by config.json key
+        `ds4_official_numerics` (true/false), or per run with
+        `--hf-overrides '{"ds4_official_numerics": false}'`; unset, `official_numerics_default`
+        decides when the config is read (on for the official release and GGUF files, off for
+        the embedded default model and transformers-saved float checkpoints).
+
+        Checked on every read, so a value set after construction (`--hf-overrides`) is checked
+        too (`check_official_numerics`).
+        """
+        self.check_official_numerics()
+        return bool(getattr(self, OFFICIAL_NUMERICS_KEY, None))
+
+    def check_official_numerics(self) -> None:
+        """Raise ValueError for a non-bool switch, or, when on, widths the round trips cannot block."""
+        value = getattr(self, OFFICIAL_NUMERICS_KEY, None)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"Ds4Config.{OFFICIAL_NUMERICS_KEY}: must be true or false, got {value!r}")
+        if value:
+            self._check_official_numerics_widths()
 
     @property
     def rope_dim(self) -> int:
@@ -140,6 +193,7 @@ class Ds4Config(DeepseekV4Config):
             "num_experts_per_tok",
             f"must be in 1..n_routed_experts={self.n_routed_experts}, got {self.num_experts_per_tok}",
         )
+        self.check_official_numerics()
         for field in (
             "q_lora_rank",
             "o_lora_rank",
@@ -149,6 +203,29 @@ class Ds4Config(DeepseekV4Config):
             "moe_intermediate_size",
         ):
             need(getattr(self, field) > 0, field, f"must be > 0, got {getattr(self, field)}")
+
+    def _check_official_numerics_widths(self) -> None:
+        from ds4_vllm.model.qat import FP4_BLOCK, FP8_KV_BLOCK, HADAMARD_BLOCK
+
+        def need(ok: bool, field: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"Ds4Config.{field}: {why}")
+
+        nope = self.head_dim - self.rope_dim
+        need(
+            nope % FP8_KV_BLOCK == 0,
+            "head_dim",
+            f"{OFFICIAL_NUMERICS_KEY}: the {nope} no-RoPE dims are not a multiple of the FP8 block "
+            f"{FP8_KV_BLOCK}",
+        )
+        width = self.index_head_dim
+        hadamard_ok = width % HADAMARD_BLOCK == 0 or (width & (width - 1) == 0)
+        need(
+            hadamard_ok and width % FP4_BLOCK == 0,
+            "index_head_dim",
+            f"{OFFICIAL_NUMERICS_KEY}: {width} must be a multiple of {HADAMARD_BLOCK} or a power of two, "
+            f"and a multiple of the FP4 block {FP4_BLOCK}",
+        )
 
     @classmethod
     def from_config_dict(cls, config_dict: dict[str, Any]) -> Ds4Config:

@@ -108,7 +108,6 @@ def _load(config, weights):
     return holder, loaded
 
 
-
 def _assert_same(holder, model) -> None:
     ours = dict(holder.state_dict())
     expected = _expected(model)

@@ -1,0 +1,57 @@
+"""Run the model's modules without a vLLM engine: paged caches and metadata built by hand.
+
+One request, its tokens in one step, every cache block distinct (block 0 left unused as vLLM
+does). This is enough for the attention paths, at a fraction of an engine's start-up cost.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+
+def build_model(config, dtype: torch.dtype = torch.float32):
+    """`Ds4ForCausalLM` for `config` with the default model's weights loaded."""
+    from safetensors.torch import load_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from ds4_vllm.model.default_model import default_model_dir
+    from ds4_vllm.model.model import Ds4ForCausalLM
+
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=dtype))
+    with set_current_vllm_config(VllmConfig()):  # a fresh registry of cache-layer names
+        model = Ds4ForCausalLM(vllm_config=vllm_config)
+    model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
+    return model.eval()
+
+
+def bind_caches(module: nn.Module, n_tokens: int, dtype: torch.dtype = torch.float32) -> dict:
+    """Zeroed caches for every cache layer under `module`, and the metadata of one prefill step."""
+    from ds4_vllm.model.cache_layers import Ds4CacheLayer, Ds4CacheMetadata
+
+    metadata = {}
+    for layer in module.modules():
+        if not isinstance(layer, Ds4CacheLayer):
+            continue
+        block = layer.spec.block_size
+        blocks = -(-n_tokens // block) + 1
+        layer.kv_cache = torch.zeros(
+            blocks, 1, block // layer.tokens_per_row, layer.spec.head_size, dtype=dtype
+        )
+        metadata[layer.prefix] = Ds4CacheMetadata(
+            block_table=torch.arange(1, blocks, dtype=torch.int32)[None],
+            block_size=block,
+            query_start_loc=torch.tensor([0, n_tokens]),
+            seq_lens=torch.tensor([n_tokens]),
+            num_reqs=1,
+        )
+    return metadata
+
+
+def prefill_hidden(model, token_ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states of one prefill of `token_ids` (caches stay bound for inspection)."""
+    metadata = bind_caches(model, token_ids.shape[0])
+    with torch.no_grad():
+        return model.model(token_ids, torch.arange(token_ids.shape[0]), None, metadata)
