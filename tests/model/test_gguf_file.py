@@ -21,7 +21,7 @@ from ds4_vllm.model.default_model import _tokenizer_files, default_config
 from ds4_vllm.model.gguf_file import GGML_TO_QUANT_TYPE, Ds4GgufError, Ds4GgufFile
 from ds4_vllm.model.gguf_tokenizer import build_tokenizer
 from ds4_vllm.model.quant import QuantizedWeight
-from ds4_vllm.model.tiny_gguf import write_tiny_gguf
+from ds4_vllm.model.tiny_gguf import tiny_gguf_file, write_tiny_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: shared/ sits beside the repo (CI clones it there), as for the kvc real-file tests.
@@ -549,3 +549,34 @@ def test_generated_file_embeds_the_default_models_tokenizer(generated_files):
     reference = Tokenizer.from_str(json.dumps(reference_json))
     for text in TOKENIZER_TEXTS:
         assert ours.encode(text).ids == reference.encode(text).ids, text
+
+
+def test_tiny_gguf_file_materializes_once_in_the_cache(generated, tmp_path, monkeypatch):
+    monkeypatch.setenv("DS4_VLLM_CACHE", str(tmp_path))
+    path = tiny_gguf_file("ds4-tiny-q2")
+    assert path.parent == tmp_path / "models" and path.name.startswith("ds4-tiny-q2-")
+    assert sha256(path) == sha256(generated["q2"])
+    mtime = path.stat().st_mtime_ns
+    assert tiny_gguf_file("ds4-tiny-q2") == path and path.stat().st_mtime_ns == mtime
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [path.name]  # no temp file left
+    with pytest.raises(ValueError, match="unknown embedded GGUF 'ds4-tiny-q3'"):
+        tiny_gguf_file("ds4-tiny-q3")
+
+
+def test_missing_router_bias_reads_as_zeros(small_gguf, tmp_path):
+    """ds4 treats an absent exp_probs_b as no bias; the loader still gets every native name."""
+    f = Ds4GgufFile.open(rewrite(small_gguf, tmp_path / "b.gguf", drop_tensors=("blk.4.exp_probs_b.bias",)))
+    assert torch.equal(f.tensor("layers.4.ffn.gate.bias"), torch.zeros(8))
+    assert not torch.equal(f.tensor("layers.5.ffn.gate.bias"), torch.zeros(8))
+
+
+def test_mixed_expert_layers_report_bits_per_layer(small_gguf, tmp_path):
+    """ds4's splicer upgrades some layers' experts to Q4_K; one bit count cannot describe that."""
+    q4 = {
+        f"blk.5.ffn_{w}_exps.weight": (np.zeros((8, 256, 256 // 256 * 144), np.uint8), GgmlType.Q4_K)
+        for w in ("gate", "up", "down")
+    }
+    f = Ds4GgufFile.open(rewrite(small_gguf, tmp_path / "mixed.gguf", replace_tensors=q4))
+    assert f.expert_quant_bits_by_layer() == [2, 2, 2, 2, 2, 4]
+    with pytest.raises(Ds4GgufError, match=r"routed experts mix 2-bit and 4-bit layers \(4-bit: \[5\]\)"):
+        f.expert_quant_bits()
