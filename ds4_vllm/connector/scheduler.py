@@ -28,6 +28,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
 from ds4_vllm.connector.token_text import TokenText
 from ds4_vllm.kvc import KvcHeader, PayloadHeader, SaveReason, payload_size
+from ds4_vllm.model.config import routed_expert_quant_bits
 from ds4_vllm.model.kv_layout import Ds4KVLayout
 from ds4_vllm.store import (
     CacheDecision,
@@ -73,7 +74,7 @@ class Ds4DiskScheduler:
         self.options = options
         self.layout = layout
         self.ctx_size = model_config.max_model_len
-        self.quant_bits = int(getattr(model_config.hf_config, "routed_expert_quant_bits", 4))
+        self.quant_bits = routed_expert_quant_bits(model_config.hf_config)
         self.token_text = TokenText.from_tokenizer_dir(model_config.tokenizer)
         self.user_id = self.token_text.token_id(USER_TOKEN) or -1
         self.assistant_id = self.token_text.token_id(ASSISTANT_TOKEN) or -1

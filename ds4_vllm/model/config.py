@@ -53,6 +53,14 @@ def official_numerics_default(config: Any) -> bool:
     return any(getattr(config, key, None) is not None for key in QUANTIZED_RELEASE_KEYS)
 
 
+def routed_expert_quant_bits(config: Any) -> int:
+    """The routed experts' quant bits that KVC headers record: 2 or 4 from a ds4 GGUF, else 4.
+
+    Float and official (FP4 experts) checkpoints record 4, the ds4 engine's q4 recipe.
+    """
+    return int(getattr(config, "routed_expert_quant_bits", None) or 4)
+
+
 def ds4_compress_ratio(layer: int) -> int:
     """ds4's fixed schedule: layers 0,1 → 0 (window only); even ≥ 2 → 4; odd ≥ 3 → 128."""
     if layer < 2:

@@ -4,7 +4,8 @@ For `model_type: deepseek_v4` vLLM's own "hf" parser picks vLLM's DeepseekV4Conf
 vLLM's DeepSeek V4 special cases (MLA, CPU block size, its tokenizer mode), before any
 `--hf-overrides` applies. A registered config format is vLLM's public way to choose the config
 class instead: `vllm serve DIR --config-format ds4`, `LLM(DIR, config_format="ds4")`.
-Directories that already say `model_type: ds4` (the default model) load without it.
+Directories that already say `model_type: ds4` (the default model) load without it. A ds4 GGUF
+file is read from its `deepseek4.*` metadata (`gguf_serving` selects this format for it).
 
 Imports vLLM: only `ds4_vllm.register()` imports this module.
 """
@@ -22,6 +23,8 @@ from vllm.transformers_utils.config import get_config_parser, register_config_pa
 from vllm.transformers_utils.config_parser_base import ConfigParserBase
 
 from ds4_vllm.model.config import DS4_ARCHITECTURE, DS4_MODEL_TYPE, Ds4Config
+from ds4_vllm.model.gguf_file import Ds4GgufFile
+from ds4_vllm.model.gguf_serving import is_gguf_file
 
 CONFIG_FORMAT = "ds4"
 #: config.json model types this format reads: ours and transformers' DeepSeek V4.
@@ -42,6 +45,10 @@ class Ds4ConfigParser(ConfigParserBase):
         **kwargs: Any,
     ) -> tuple[dict[str, Any], PreTrainedConfig]:
         # vLLM applies `hf_overrides` to the result itself; no remote code is involved.
+        if is_gguf_file(model):
+            config = Ds4GgufFile.open(model).config()
+            config.name_or_path = str(model)
+            return config.to_dict(), config
         kwargs = {k: v for k, v in kwargs.items() if k not in ("hf_overrides", "trust_remote_code")}
         kwargs.setdefault("local_files_only", huggingface_hub.constants.HF_HUB_OFFLINE)
         config_dict, _ = PreTrainedConfig.get_config_dict(

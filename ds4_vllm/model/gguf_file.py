@@ -566,6 +566,9 @@ class Ds4GgufFile:
         try:
             return Ds4Config(
                 architectures=[DS4_ARCHITECTURE],
+                # ds4 runs its GGUF conversions of the official release with the official numerics.
+                ds4_official_numerics=True,
+                routed_expert_quant_bits=self._uniform_quant_bits(),
                 dtype="float32",
                 vocab_size=d.n_vocab,
                 hidden_size=d.n_embd,
@@ -638,6 +641,11 @@ class Ds4GgufFile:
                 raise Ds4GgufError(f"layer {il} mixes 2-bit and 4-bit routed expert types")
             bits.append(layer_bits.pop())
         return bits
+
+    def _uniform_quant_bits(self) -> int | None:
+        """The experts' bits when every layer uses one recipe (what KVC headers record), else None."""
+        bits = set(self.expert_quant_bits_by_layer())
+        return bits.pop() if len(bits) == 1 else None
 
     def expert_quant_bits(self) -> int:
         """2 or 4: the routed experts' recipe. Raises for a mixed file (see the per-layer variant)."""

@@ -29,6 +29,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as GgmlType
 
+from ds4_vllm import EMBEDDED_GGUF_MODELS
 from ds4_vllm.model.config import Ds4Config
 from ds4_vllm.model.default_model import CHAT_TEMPLATE, _tokenizer_files, cache_root, default_config
 from ds4_vllm.model.gguf_file import GGUF_ARCHITECTURE, KEY_PREFIX, Ds4GgufDims, ds4_tensor_layout
@@ -36,7 +37,8 @@ from ds4_vllm.model.gguf_file import GGUF_ARCHITECTURE, KEY_PREFIX, Ds4GgufDims,
 # Bump when the recipe changes: the cache then materializes new files.
 TINY_GGUF_VERSION = "v1"
 TINY_GGUF_SEED = 20261201
-TINY_GGUF_QUANTS = {"ds4-tiny-q2": "q2", "ds4-tiny-q4": "q4"}
+#: Embedded model name -> its routed-experts recipe (`ds4-tiny-q2` -> q2).
+TINY_GGUF_QUANTS = {name: name.rsplit("-", 1)[1] for name in EMBEDDED_GGUF_MODELS}
 
 # Routed-expert types per recipe: (gate/up, down), as in ds4's published files.
 EXPERT_TYPES = {"q2": (GgmlType.IQ2_XXS, GgmlType.Q2_K), "q4": (GgmlType.Q4_K, GgmlType.Q4_K)}

@@ -17,7 +17,8 @@ mapped onto ours. Names already in our form pass through untouched.
 
 Routed experts come per expert in the native layouts (`layers.N.ffn.experts.E.w1.weight`); they
 map to `...mlp.experts.E.gate_proj.weight`, which `expert_slot` splits into the stacked
-parameter's name and the expert index.
+weight's name and the expert index; a whole stack (`layers.N.ffn.experts.w1`, from a GGUF) maps
+to the stack module `...mlp.experts.gate_proj`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ _NATIVE_TO_MODEL = [
         for n, m in _EXPERT.items()
     ),
     *((rf"^{_L}\.ffn\.experts\.(\d+)\.{n}\.", rf"{_OURS}.mlp.experts.\2.{m}.") for n, m in _EXPERT.items()),
+    # A whole stack at once ([E, out, in]), as the ds4 GGUF reader hands it out.
+    *((rf"^{_L}\.ffn\.experts\.{n}$", rf"{_OURS}.mlp.experts.{m}") for n, m in _EXPERT.items()),
 ]
 
 # transformers' in-memory names that differ from ours. A directory that transformers loaded from

@@ -25,20 +25,24 @@ WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 
 
 def model_fingerprint(model: str, revision: str | None = None) -> str:
-    """A stable digest of a model: its config and weight files (local) or its name (hub id).
+    """A stable digest of a model: its config and weight files (local dir or file) or its name (hub id).
 
     Moving a local model directory keeps the fingerprint; changing any weight file's size or
     first megabyte (a fine-tune, a re-quantization) changes it.
     """
     h = hashlib.sha1()
     path = Path(model)
-    if not path.is_dir():
+    if path.is_file():  # a single weight file (a ds4 GGUF)
+        weights = [path]
+    elif path.is_dir():
+        config = path / "config.json"
+        if config.is_file():
+            h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+        weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    else:
         h.update(f"hub:{model}@{revision or 'main'}".encode())
         return h.hexdigest()
-    config = path / "config.json"
-    if config.is_file():
-        h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
-    for weight in sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+    for weight in weights:
         h.update(f"{weight.name}:{weight.stat().st_size}:".encode())
         with open(weight, "rb") as fp:
             h.update(fp.read(HEAD_BYTES))

@@ -17,6 +17,10 @@
    vLLM's own `DeepseekV4Config` rejects transformers' form (`mlp_layer_types` hash_moe/moe)
    with an error the loader does not catch. We wrap the loader's `get_config` so that such a
    directory (and only such a directory) is read as `--config-format ds4` reads it.
+4. A GGUF file as `--model`. Before any config format applies, `create_engine_config` asks
+   transformers whether the model is a speculators checkpoint by parsing the model path as a
+   JSON config. A ds4 GGUF file is not one; we skip that check for GGUF files only (the GGUF
+   config, load format and tokenizer come through public hooks, `ds4_vllm.model.gguf_serving`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ PATCHED_NAMES: dict[str, str] = {
     "vllm.engine.arg_utils.load_general_plugins": "relied on: the call above",
     "vllm.utils.argparse_utils.FlexibleArgumentParser.parse_args": (
         "relied on: parses sys.argv[1:] (rewritten by the plugin) after plugins loaded"
+    ),
+    "vllm.engine.arg_utils.maybe_override_with_speculators": (
+        "module global replaced: skipped for a GGUF model file, which is not a JSON config"
     ),
     "vllm.tokenizers.registry.get_config": (
         "module global replaced: the tokenizer loader reads transformers' DeepSeek V4 dirs as ds4"
@@ -89,6 +96,7 @@ def resolve_default_model_name() -> None:
         return
     original_create = arg_utils.EngineArgs.create_engine_config
     original_get_model_path = arg_utils.get_model_path
+    original_speculators = arg_utils.maybe_override_with_speculators
 
     @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -99,17 +107,22 @@ def resolve_default_model_name() -> None:
 
     @functools.wraps(original_get_model_path)
     def get_model_path(model: Any, revision: str | None = None) -> Any:
-        from ds4_vllm import DEFAULT_MODEL_NAME
+        from ds4_vllm import embedded_model_path
 
-        if model == DEFAULT_MODEL_NAME:
-            from ds4_vllm.model.default_model import default_model_dir
+        return embedded_model_path(model) or original_get_model_path(model, revision)
 
-            return str(default_model_dir())
-        return original_get_model_path(model, revision)
+    @functools.wraps(original_speculators)
+    def maybe_override_with_speculators(model: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> Any:
+        from ds4_vllm.model.gguf_serving import is_gguf_file
+
+        if is_gguf_file(model):
+            return model, tokenizer, kwargs.get("vllm_speculative_config")
+        return original_speculators(model, tokenizer, *args, **kwargs)
 
     setattr(create_engine_config, _PATCHED_MARK, True)
     arg_utils.EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
     arg_utils.get_model_path = get_model_path
+    arg_utils.maybe_override_with_speculators = maybe_override_with_speculators
 
 
 def rewrite_sys_argv_for_serve() -> None:
