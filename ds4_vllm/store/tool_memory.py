@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ds4_vllm.kvc import ExtFlag, KvcFormatError, ToolMapEntry
@@ -208,12 +208,11 @@ class ToolMemory:
 
     # ------------------------------------------------------------------ the checkpoint directory
 
-    def load_directory(self, wanted: Callable[[str], bool] | None = None) -> int:
+    def load_directory(self) -> int:
         """Read the KTM trailers of checkpoint files not read before (new or changed since).
 
-        `wanted` limits what is taken (ds4 loads only the ids a request mentions when it pre-scans);
-        None takes everything (start-up). Returns how many entries were taken. Unreadable or
-        foreign files are skipped: a bad trailer must not stop the server.
+        Returns how many entries were taken. Only trailers are read, never payloads; unreadable
+        or foreign files are skipped: a bad trailer must not stop the server.
         """
         if self.directory is None or not self.directory.is_dir():
             return 0
@@ -238,23 +237,19 @@ class ToolMemory:
         files.sort()  # oldest first, so the newest files' ids end up the most recent
         for _, name, stamp in files:
             entries = read_tool_map(self.directory / name)
-            if entries is None:
-                continue
-            if wanted is None:
-                self._scanned[name] = stamp  # a wanted-only read may leave other ids for later
-            for tool_id, dsml in entries:
-                if wanted is None or wanted(tool_id):
-                    self.remember(tool_id, dsml)
-                    taken += 1
+            self._scanned[name] = stamp
+            for tool_id, dsml in entries or ():
+                self.remember(tool_id, dsml)
+                taken += 1
         return taken
 
     def restore(self, tool_ids: Iterable[str]) -> int:
-        """Load from the directory the given ids that are not in memory (ds4's per-request pre-scan),
-        so that ids another server sharing the directory handed out replay here too."""
-        missing = {i for i in tool_ids if i and i not in self._entries}
-        if not missing:
+        """When a request names ids this memory lacks, read the trailers written since the last
+        read (ds4's per-request pre-scan): ids another server sharing the directory handed out
+        replay here too. Costs a directory listing when nothing is new."""
+        if all(not i or i in self._entries for i in tool_ids):
             return 0
-        return self.load_directory(missing.__contains__)
+        return self.load_directory()
 
 
 def read_tool_map(path: str | os.PathLike[str]) -> list[tuple[str, str]] | None:

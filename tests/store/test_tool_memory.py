@@ -127,12 +127,14 @@ def test_directory_reload_and_per_request_restore(tmp_path: Path) -> None:
     assert (memory.lookup("call_a2"), memory.lookup("call_b")) == (BLOCK_A, BLOCK_B)
     assert memory.load_directory() == 0  # files already read are not read again
 
-    # another server sharing the directory writes a new file: only the ids a request names are taken
+    # another server sharing the directory writes a new file: a request naming an unknown id reads it
     other = ToolMemory(directory=tmp_path)
     _put(tmp_path, "three" + BLOCK_B, [("call_c", BLOCK_B), ("call_d", BLOCK_B)], start=20)
-    assert memory.restore(["call_a1", "call_c"]) == 1
-    assert memory.lookup("call_c") == BLOCK_B and memory.lookup("call_d") is None
-    assert memory.restore(["call_d"]) == 1  # a later request may still want the rest
+    assert memory.restore(["call_a1", "call_b"]) == 0  # all known: the directory is not read
+    assert memory.lookup("call_c") is None
+    assert memory.restore(["call_a1", "call_c"]) == 2
+    assert (memory.lookup("call_c"), memory.lookup("call_d")) == (BLOCK_B, BLOCK_B)
+    assert memory.restore(["call_unknown"]) == 0  # nothing new to read
     assert other.load_directory() == 5
 
     # a corrupt trailer is ignored (ds4's reader), never an error
