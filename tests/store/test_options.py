@@ -68,7 +68,10 @@ def test_both_spellings_and_string_values() -> None:
         ({"kv_cache_min_tokns": 5}, "did you mean --kv-cache-min-tokens / kv_cache_min_tokens"),
         ({"bogus": 1}, "unknown disk-cache setting 'bogus'"),
         ({"tool_memory_max_ids": 0}, "--tool-memory-max-ids / tool_memory_max_ids: must be >= 1, got 0"),
-        ({"--tool-memory-max-ids": "many"}, "--tool-memory-max-ids / tool_memory_max_ids: expected an integer"),
+        (
+            {"--tool-memory-max-ids": "many"},
+            "--tool-memory-max-ids / tool_memory_max_ids: expected an integer",
+        ),
         (
             {"kv_cache_min_tokens": 1000, "kv_cache_cold_max_tokens": 900},
             "--kv-cache-cold-max-tokens / kv_cache_cold_max_tokens: 900 is below --kv-cache-min-tokens",
