@@ -104,10 +104,12 @@ class Ds4ToolParser(ToolParser):
         request: Any,
     ) -> DeltaMessage | None:
         self._request = request
-        self._text = current_text
+        # Our own accumulation: vLLM passes whole texts, or only deltas when no reasoning parser
+        # is configured (this class counts as engine-based then); the deltas are right in both.
+        self._text += delta_text
         if self._done:
             return None  # text after the block is dropped, as in a whole answer
-        text = current_text
+        text = self._text
         if self._block_at is None:
             found = find_block_start(text, tool_search_start(text))
             if found is None:

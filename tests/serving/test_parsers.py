@@ -216,3 +216,16 @@ def test_render_of_remembered_single_call_block_is_exact() -> None:
 
     assert replayed_dsml([RenderCall("call_1", "f", "{}")], ToolReplay(memory)) == block
     assert replayed_dsml([RenderCall("call_2", "f", "{}")], ToolReplay(memory)) is None
+
+
+def test_tool_parser_alone_streams_the_same(tokenizer, memory) -> None:
+    """Without a reasoning parser vLLM feeds only deltas; the result is the same."""
+    register_parsers()
+    alone = ParserManager.get_parser(tool_parser_name="ds4", enable_auto_tools=True)
+    request = _prepared(alone, tokenizer)
+    whole = alone(tokenizer, request.tools).parse(ANSWER, request, enable_auto_tools=True)
+    _, content, calls = _stream(
+        alone, tokenizer, request, ANSWER, list(range(3, len(ANSWER), 7)), thinking=False
+    )
+    assert content == whole[1] == "I will look."
+    assert [(c.id, c.function.arguments) for c in calls] == [(c.id, c.arguments) for c in whole[2]]

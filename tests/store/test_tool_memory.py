@@ -100,7 +100,7 @@ def test_writer_scan_finds_blocks_like_the_engine() -> None:
 @pytest.mark.skipif(not ENGINE_FILES.is_dir(), reason="ds4 engine test files not present")
 def test_engine_files_trailers_are_read_and_rewritten_identically() -> None:
     files = [p for p in sorted(ENGINE_FILES.glob("*/*.kv")) if read_tool_map(p)]
-    assert len(files) == 7  # the engine wrote KTM trailers into 7 of its files
+    assert files, "the engine test files hold no KTM trailer"
     for path in files:
         with open_checkpoint(path) as ck:
             by_block: dict[bytes, list[str]] = {}
