@@ -139,11 +139,11 @@ def test_plugin_rewrites_vllm_serve_argv(model_dir: Path, monkeypatch: pytest.Mo
 def test_plugin_argv_error_exits_like_argparse(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     from ds4_vllm.vllm_compat.v0_32 import rewrite_sys_argv_for_serve
 
-    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "m", "--tool-memory-max-ids", "5"])
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "m", "--tool-memory-max-ids", "0"])
     with pytest.raises(SystemExit) as exit_info:
         rewrite_sys_argv_for_serve()
     assert exit_info.value.code == 2
-    assert "--tool-memory-max-ids / tool_memory_max_ids: not supported yet" in capsys.readouterr().err
+    assert "--tool-memory-max-ids / tool_memory_max_ids: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_ds4_vllm_serve_runs_vllm_cli_on_rewritten_args(

@@ -175,8 +175,8 @@ def test_no_kv_flags_unchanged() -> None:
             "--kv-cache-reject-different-quant / kv_cache_reject_different_quant: expected true or false",
         ),
         (
-            ["serve", "m", "--tool-memory-max-ids", "100000"],
-            "--tool-memory-max-ids / tool_memory_max_ids: not supported yet",
+            ["serve", "m", "--tool-memory-max-ids", "0"],
+            "--tool-memory-max-ids / tool_memory_max_ids: must be >= 1, got 0",
         ),
         (
             ["serve", "m", "--kv-cache-min-tokens", "1000", "--kv-cache-cold-max-tokens", "900"],

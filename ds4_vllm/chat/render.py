@@ -176,6 +176,24 @@ def _thinking_control(value: Any, enabled: bool, field: str) -> bool:
     return enabled
 
 
+def _vllm_thinking(
+    body: Mapping, enabled: bool, got_thinking: bool, effort: ThinkMode
+) -> tuple[bool, bool, ThinkMode]:
+    """vLLM's spelling, `chat_template_kwargs` {"thinking" | "enable_thinking": bool,
+    "reasoning_effort": name}, read first: the engine's own fields, read after it, win."""
+    kwargs = body.get("chat_template_kwargs")
+    if not isinstance(kwargs, Mapping):
+        return enabled, got_thinking, effort
+    for key in ("enable_thinking", "thinking"):
+        if isinstance(kwargs.get(key), bool):
+            enabled, got_thinking = kwargs[key], True
+    if kwargs.get("reasoning_effort") is not None:
+        effort = parse_effort(kwargs["reasoning_effort"], "chat_template_kwargs.reasoning_effort") or effort
+        if effort is ThinkMode.NONE:
+            enabled, got_thinking = False, True
+    return enabled, got_thinking, effort
+
+
 def _apply_model_alias(model: Any, got_thinking: bool, enabled: bool) -> bool:
     if got_thinking or not isinstance(model, str):
         return enabled
@@ -572,7 +590,7 @@ def openai_messages(value: Any, path: str = "messages") -> list[ChatMessage]:
 
 
 def _chat_think_mode(body: Mapping, ctx_size: int, *, allow_think_key: bool) -> ThinkMode:
-    enabled, got_thinking, effort = True, False, ThinkMode.HIGH
+    enabled, got_thinking, effort = _vllm_thinking(body, True, False, ThinkMode.HIGH)
     if "thinking" in body:
         enabled, got_thinking = _thinking_control(body["thinking"], enabled, "thinking"), True
     if allow_think_key and "think" in body:
@@ -701,7 +719,7 @@ def render_anthropic_messages(
     choice_none = (
         isinstance(choice, Mapping) and "type" in choice and _str(choice, "type", "tool_choice") == "none"
     )
-    enabled, got_thinking, effort = True, False, ThinkMode.HIGH
+    enabled, got_thinking, effort = _vllm_thinking(body, True, False, ThinkMode.HIGH)
     if "thinking" in body:
         enabled, got_thinking = _thinking_control(body["thinking"], enabled, "thinking"), True
     output_config = body.get("output_config")
@@ -878,7 +896,7 @@ def render_responses(
     elif isinstance(choice, Mapping):
         raise RenderError("forced tool_choice not supported")
     schemas = "\n".join(s for s in (_request_tools(body, tools_json), "\n".join(loaded)) if s)
-    enabled, got_thinking, effort = True, False, ThinkMode.HIGH
+    enabled, got_thinking, effort = _vllm_thinking(body, True, False, ThinkMode.HIGH)
     reasoning = body.get("reasoning")
     if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
         effort = parse_effort(reasoning["effort"], "reasoning.effort") or effort

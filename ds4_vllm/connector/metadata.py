@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from ds4_vllm.kvc import KvcHeader
+from ds4_vllm.kvc import KvcHeader, ToolMapEntry
 from ds4_vllm.store import LoadReport, LookupOutcome, WriteReport, WriteTicket
 
 BlockIds = tuple[list[int], ...]  # one list of block ids per KV cache group
@@ -48,6 +48,8 @@ class SaveJob:
     block_ids: BlockIds
     after_finish: bool = False
     flush: bool = False
+    #: The KTM trailer: tool-call ids whose exact DSML block is in `text` (exact replay).
+    tool_map: list[ToolMapEntry] = field(default_factory=list)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
 from ds4_vllm.connector.token_text import TokenText
+from ds4_vllm.connector.tool_map import RequestToolMap
 from ds4_vllm.kvc import KvcHeader, PayloadHeader, SaveReason, payload_size
 from ds4_vllm.model.config import routed_expert_quant_bits
 from ds4_vllm.model.kv_layout import Ds4KVLayout
@@ -57,6 +58,7 @@ class RequestState:
     last_stored: int = 0
     traced: bool = False
     decision: CacheDecision | None = None
+    tool_map: RequestToolMap | None = None  # built at the first save
 
 
 @dataclass
@@ -256,17 +258,27 @@ class Ds4DiskScheduler:
         header = KvcHeader.new(
             quant_bits=self.quant_bits, reason=point.reason, tokens=point.tokens, ctx_size=self.ctx_size
         )
+        tool_map = self._tool_map(state).entries(text)
         admission = self.store.admit(
-            text, tokens, header, self._file_size(len(text), point.tokens), conversation_key=req_id
+            text, tokens, header, self._file_size(len(text), point.tokens, tool_map), conversation_key=req_id
         )
         if admission.ticket is None:
             return None
-        return SaveJob(req_id, admission.ticket, header, text, tokens, block_ids, **kw)
+        return SaveJob(req_id, admission.ticket, header, text, tokens, block_ids, tool_map=tool_map, **kw)
 
-    def _file_size(self, text_bytes: int, n_tokens: int) -> int:
+    def _tool_map(self, state: RequestState) -> RequestToolMap:
+        """The request's tool-call ids for KTM trailers (from its kv_transfer_params)."""
+        if state.tool_map is None:
+            request = state.request
+            params = getattr(request, "kv_transfer_params", None)
+            prompt_bytes = len(self.token_text.text(request.prompt_token_ids or [])) if params else 0
+            state.tool_map = RequestToolMap(params, prompt_bytes)
+        return state.tool_map
+
+    def _file_size(self, text_bytes: int, n_tokens: int, tool_map=()) -> int:
         n_comp, n_index = self.layout.counts(n_tokens)
         header = PayloadHeader.build(self.layout.dims, ctx_size=self.ctx_size, n_tokens=n_tokens)
-        return self.store.file_size(text_bytes, payload_size(header, n_comp, n_index))
+        return self.store.file_size(text_bytes, payload_size(header, n_comp, n_index), tool_map)
 
     def _block_ids(self, req_id: str):
         return tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))

@@ -209,7 +209,7 @@ class Ds4DiskWorker:
             n_index_comp=n_index,
             layers=layers,
         )
-        return self.writer.write(job.ticket, job.text, job.header, payload)
+        return self.writer.write(job.ticket, job.text, job.header, payload, job.tool_map)
 
     # ------------------------------------------------------------------ reporting
 

@@ -40,6 +40,9 @@ DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
 #: the writer falls this far behind, engine steps wait for it (back-pressure) instead of
 #: dropping saves. ds4-vllm's own flag (ds4 writes synchronously), spelled like ds4's.
 DEFAULT_WRITE_QUEUE_MB = 1024
+#: DS4_TOOL_MEMORY_DEFAULT_MAX_IDS: tool-call ids remembered for exact replay (least recently used
+#: go first); trailers with more than 4x this many entries are ignored when read.
+DEFAULT_TOOL_MEMORY_MAX_IDS = 100_000
 
 
 class StoreConfigError(ValueError):
@@ -91,6 +94,7 @@ class StoreOptions:
     write_queue_mb: int = DEFAULT_WRITE_QUEUE_MB
     shared_models: bool = False
     trace: str | None = None
+    tool_memory_max_ids: int = DEFAULT_TOOL_MEMORY_MAX_IDS
 
     @property
     def budget_bytes(self) -> int:
@@ -244,12 +248,11 @@ SETTINGS: dict[str, Setting] = {
     "kv_write_queue_mb": Setting("write_queue_mb", int, minimum=1),
     "kv_cache_shared_models": Setting("shared_models", bool),
     "trace": Setting("trace", str, optional=True),
+    "tool_memory_max_ids": Setting("tool_memory_max_ids", int, minimum=1),
 }
 
 #: ds4 settings this plugin does not implement yet, with why: named clearly instead of "unknown".
-NOT_SUPPORTED_YET: dict[str, str] = {
-    "tool_memory_max_ids": "ds4's tool-call id memory (the KTM trailer) is not implemented yet",
-}
+NOT_SUPPORTED_YET: dict[str, str] = {}
 
 #: Every key `from_extra_config` accepts.
 SETTING_KEYS = tuple(SETTINGS)

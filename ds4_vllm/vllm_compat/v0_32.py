@@ -33,7 +33,8 @@ from typing import Any
 #: Every vLLM name this module patches or relies on privately, with what it does with it.
 PATCHED_NAMES: dict[str, str] = {
     "vllm.engine.arg_utils.EngineArgs.create_engine_config": (
-        "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config"
+        "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config, and "
+        "sizes and loads the API server's tool-call memory from the config it returns"
     ),
     "vllm.engine.arg_utils.get_model_path": (
         "module global replaced: EngineArgs.__post_init__ calls it under HF_HUB_OFFLINE=1"
@@ -103,7 +104,11 @@ def resolve_default_model_name() -> None:
         from ds4_vllm import resolve_default_model
 
         resolve_default_model(self)
-        return original_create(self, *args, **kwargs)
+        config = original_create(self, *args, **kwargs)
+        from ds4_vllm.serving.tool_replay import configure_tool_memory
+
+        configure_tool_memory(config)  # the API server builds its config here; ids survive restarts
+        return config
 
     @functools.wraps(original_get_model_path)
     def get_model_path(model: Any, revision: str | None = None) -> Any:

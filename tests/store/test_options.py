@@ -20,7 +20,7 @@ def test_defaults_are_ds4s() -> None:
     o = StoreOptions.from_extra_config({})
     assert (o.disk_space_mb, o.min_tokens, o.cold_max_tokens) == (4096, 512, 30000)
     assert (o.continued_interval_tokens, o.boundary_trim_tokens, o.boundary_align_tokens) == (10000, 32, 2048)
-    assert (o.reject_different_quant, o.trace) == (False, None)
+    assert (o.reject_different_quant, o.trace, o.tool_memory_max_ids) == (False, None, 100_000)
     assert o.budget_bytes == 4096 * 1024 * 1024
     assert DEFAULT_BOUNDARY_ALIGN_TOKENS == 2048
 
@@ -38,10 +38,11 @@ def test_both_spellings_and_string_values() -> None:
             "kv_cache_reject_different_quant": "true",
             "kv_disk_space_mb": 10,
             "trace": "/tmp/t.log",
+            "--tool-memory-max-ids": "250",
         }
     )
     assert (o.disk_dir, o.min_tokens, o.reject_different_quant, o.disk_space_mb) == ("/tmp/x", 1024, True, 10)
-    assert o.trace == "/tmp/t.log"
+    assert (o.trace, o.tool_memory_max_ids) == ("/tmp/t.log", 250)
 
 
 @pytest.mark.parametrize(
@@ -66,8 +67,11 @@ def test_both_spellings_and_string_values() -> None:
         ({"trace": ""}, "--trace / trace: must not be empty"),
         ({"kv_cache_min_tokns": 5}, "did you mean --kv-cache-min-tokens / kv_cache_min_tokens"),
         ({"bogus": 1}, "unknown disk-cache setting 'bogus'"),
-        ({"tool_memory_max_ids": 100}, "--tool-memory-max-ids / tool_memory_max_ids: not supported yet"),
-        ({"--tool-memory-max-ids": "100"}, "--tool-memory-max-ids / tool_memory_max_ids: not supported yet"),
+        ({"tool_memory_max_ids": 0}, "--tool-memory-max-ids / tool_memory_max_ids: must be >= 1, got 0"),
+        (
+            {"--tool-memory-max-ids": "many"},
+            "--tool-memory-max-ids / tool_memory_max_ids: expected an integer",
+        ),
         (
             {"kv_cache_min_tokens": 1000, "kv_cache_cold_max_tokens": 900},
             "--kv-cache-cold-max-tokens / kv_cache_cold_max_tokens: 900 is below --kv-cache-min-tokens",
