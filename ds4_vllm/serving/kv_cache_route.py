@@ -29,6 +29,9 @@ import threading
 from argparse import Namespace
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
 from ds4_vllm.serving.usage import CacheUsage
 from ds4_vllm.serving.usage_counters import UsageCounters
 
@@ -127,10 +130,8 @@ def serving_cache_state(app_state: Any) -> ServingCacheState | None:
     return state
 
 
-def kv_cache_endpoint(request: Any) -> Any:
+def kv_cache_endpoint(request: Request) -> JSONResponse:
     """`GET /v1/kv_cache` (a sync route: FastAPI runs it in a worker thread, off the event loop)."""
-    from fastapi.responses import JSONResponse
-
     state = serving_cache_state(request.app.state)
     if state is None:
         return JSONResponse(
@@ -147,12 +148,7 @@ class Ds4KvCacheEndpoint:
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
-        from fastapi import Request
-
-        def kv_cache(request: Request) -> Any:
-            return kv_cache_endpoint(request)
-
-        app.add_api_route(ROUTE, kv_cache, methods=["GET"], summary="ds4 KV cache size and usage")
+        app.add_api_route(ROUTE, kv_cache_endpoint, methods=["GET"], summary="ds4 KV cache size and usage")
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         # Built now, not on the first request: deriving the directory reads the model's files.

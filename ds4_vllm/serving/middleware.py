@@ -161,7 +161,7 @@ class UsageResponse:
                 obj = json.loads(raw)
             except ValueError:
                 continue
-            if isinstance(obj, dict) and self._rewrite_usages(obj):
+            if isinstance(obj, dict) and (self._rewrite_usages(obj) | _drop_internal_params(obj)):
                 lines[i] = b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
                 lines[i] += b"\r" if line.endswith(b"\r") else b""
         return b"\n".join(lines)
@@ -199,10 +199,15 @@ def _header(message: Message, name: bytes) -> bytes:
 
 
 def _drop_internal_params(obj: dict[str, Any]) -> bool:
-    """The connector's per-request report is internal: remove it (and an emptied field)."""
-    params = obj.get("kv_transfer_params")
-    if not (isinstance(params, dict) and DISK_TOKENS_PARAM in params):
-        return False
-    rest = {k: v for k, v in params.items() if k != DISK_TOKENS_PARAM}
-    obj["kv_transfer_params"] = rest or None
-    return True
+    """The connector's per-request report is internal: remove it (and an emptied field).
+
+    It sits at the top level, or in `response` (Responses events); True when removed.
+    """
+    removed = False
+    for holder in (obj, obj.get("response")):
+        params = holder.get("kv_transfer_params") if isinstance(holder, dict) else None
+        if isinstance(params, dict) and DISK_TOKENS_PARAM in params:
+            rest = {k: v for k, v in params.items() if k != DISK_TOKENS_PARAM}
+            holder["kv_transfer_params"] = rest or None
+            removed = True
+    return removed

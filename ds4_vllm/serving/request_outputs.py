@@ -51,11 +51,15 @@ class RequestRecorder:
         if not self._outputs:
             return None
         prompt = cached = disk = 0
+        finished = True
         for output in self._outputs.values():
             prompt += len(getattr(output, "prompt_token_ids", None) or ())
             cached += getattr(output, "num_cached_tokens", None) or 0
             disk += disk_tokens_of(getattr(output, "kv_transfer_params", None))
-        return EngineCounts(prompt_tokens=prompt, cached_tokens=cached, disk_tokens=disk)
+            finished = finished and bool(getattr(output, "finished", False))
+        return EngineCounts(
+            prompt_tokens=prompt, cached_tokens=cached, disk_tokens=disk if finished else None
+        )
 
 
 def disk_tokens_of(kv_transfer_params: Any) -> int:

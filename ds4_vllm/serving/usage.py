@@ -8,7 +8,9 @@ kvc-format.md §7.2):
 - every route gets the DeepSeek API's `prompt_cache_hit_tokens` (R) and
   `prompt_cache_miss_tokens` (W), so hit + miss = P exactly, and our own
   `prompt_cache_disk_tokens`: how many of the R tokens were loaded from a disk checkpoint
-  rather than found in memory;
+  rather than found in vLLM's memory (0 without ds4disk; absent from a stream's usage sent
+  before the request finished, Anthropic's `message_start`, since the connector reports it
+  when the request ends);
 - OpenAI chat/completions: `prompt_tokens_details.cached_tokens` = R and
   `prompt_tokens_details.cache_write_tokens` = W (as the ds4 engine writes them);
 - Responses: `input_tokens_details.cached_tokens` = R and `.cache_write_tokens` = W;
@@ -38,7 +40,8 @@ class EngineCounts:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    disk_tokens: int = 0
+    #: None until every engine request finished: the connector reports it on the final output.
+    disk_tokens: int | None = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,22 +50,25 @@ class CacheUsage:
 
     prompt_tokens: int
     hit_tokens: int
-    disk_tokens: int
+    disk_tokens: int | None  # None: not known yet (a stream's early usage, e.g. Anthropic message_start)
 
     @classmethod
-    def of(cls, prompt_tokens: int, cached_tokens: int, disk_tokens: int = 0) -> CacheUsage:
+    def of(cls, prompt_tokens: int, cached_tokens: int, disk_tokens: int | None = 0) -> CacheUsage:
         """Clamped so that 0 <= disk <= hit <= prompt."""
         prompt = max(0, int(prompt_tokens))
         hit = min(max(0, int(cached_tokens)), prompt)
-        return cls(prompt, hit, min(max(0, int(disk_tokens)), hit))
+        return cls(prompt, hit, None if disk_tokens is None else min(max(0, int(disk_tokens)), hit))
 
     @property
     def miss_tokens(self) -> int:
         return self.prompt_tokens - self.hit_tokens
 
     def fields(self) -> dict[str, int]:
-        """The three fields every route's usage object gets."""
-        return {HIT_FIELD: self.hit_tokens, MISS_FIELD: self.miss_tokens, DISK_FIELD: self.disk_tokens}
+        """The fields every route's usage object gets (the disk count once it is known)."""
+        out = {HIT_FIELD: self.hit_tokens, MISS_FIELD: self.miss_tokens}
+        if self.disk_tokens is not None:
+            out[DISK_FIELD] = self.disk_tokens
+        return out
 
 
 def _int(value: Any) -> int:

@@ -45,7 +45,7 @@ class UsageTotals:
             self.prompt_tokens + cache.prompt_tokens,
             self.hit_tokens + cache.hit_tokens,
             self.miss_tokens + cache.miss_tokens,
-            self.disk_tokens + cache.disk_tokens,
+            self.disk_tokens + (cache.disk_tokens or 0),
         )
 
     @property
