@@ -45,6 +45,9 @@ from ds4_vllm.store import (
 
 logger = logging.getLogger(__name__)
 
+#: The `kv_transfer_params` key of a finished request's disk-loaded prompt tokens (the name
+#: `ds4_vllm.serving.request_outputs.DISK_TOKENS_PARAM` reads; the connector does not import serving).
+DISK_TOKENS_PARAM = "ds4_disk_tokens"
 USER_TOKEN = "<｜User｜>"
 ASSISTANT_TOKEN = "<｜Assistant｜>"
 
@@ -59,6 +62,7 @@ class RequestState:
     traced: bool = False
     decision: CacheDecision | None = None
     tool_map: RequestToolMap | None = None  # built at the first save
+    disk_tokens: int = 0  # prompt tokens vLLM takes from a disk load (its "external" tokens)
 
 
 @dataclass
@@ -146,6 +150,9 @@ class Ds4DiskScheduler:
             return
         pending.scheduled = True
         self.store.pin(pending.outcome.path)
+        state = self.requests.get(request.request_id)
+        if state is not None:
+            state.disk_tokens = num_external_tokens
 
     # ------------------------------------------------------------------ per step
 
@@ -306,6 +313,7 @@ class Ds4DiskScheduler:
             state = self.requests.get(req_id)
             if state is not None:
                 state.last_stored = 0
+                state.disk_tokens = 0
                 state.decision = _with(state.decision, disk_cached_tokens=0, disk_miss_reason="load failed")
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
@@ -320,6 +328,9 @@ class Ds4DiskScheduler:
             self.store.unpin(loading.path)
         if state is None:
             return False, None
+        # How many prompt tokens came from disk, for the API server's usage fields
+        # (ds4_vllm.serving.request_outputs reads it off the request's final output).
+        params = {DISK_TOKENS_PARAM: state.disk_tokens}
         # The finished conversation's whole state (prompt + generated, less the last sampled
         # token, which was never fed), while vLLM still holds it. Requests vLLM aborts on the
         # way out of a stop are saved as `shutdown`.
@@ -327,7 +338,7 @@ class Ds4DiskScheduler:
             self.options, request.num_computed_tokens, state.last_stored, shutdown=self.shutdown_requested
         )
         if decision is None:
-            return False, None
+            return False, params
         job = self._save_job(
             req_id,
             state,
@@ -337,9 +348,9 @@ class Ds4DiskScheduler:
             flush=self.shutdown_requested,
         )
         if job is None:
-            return False, None
+            return False, params
         self.finished_saves.append(job)
-        return True, None
+        return True, params
 
     def _on_shutdown_signal(self) -> None:
         if not self.shutdown_requested:

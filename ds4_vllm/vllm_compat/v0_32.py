@@ -21,6 +21,16 @@
    transformers whether the model is a speculators checkpoint by parsing the model path as a
    JSON config. A ds4 GGUF file is not one; we skip that check for GGUF files only (the GGUF
    config, load format and tokenizer come through public hooks, `ds4_vllm.model.gguf_serving`).
+5. Usage on every response. vLLM's serving code drops what the engine reports per request
+   (`RequestOutput.num_cached_tokens` for some routes and flags, `kv_transfer_params`, where the
+   ds4disk connector says how many tokens came from disk, for streams and `/v1/responses`).
+   We wrap `AsyncLLM.generate` in the API server so each output is also noted for the HTTP
+   request being served (`ds4_vllm.serving.request_outputs`); the `--middleware` that
+   `vllm serve` gets from the argv rewrite writes the usage fields from it.
+6. `GET /v1/kv_cache` with no flags. vLLM loads `vllm.endpoint_plugins` only when
+   `VLLM_PLUGINS` names them. When `VLLM_PLUGINS` is unset we add ds4's own endpoint plugin
+   (and only it) to `load_endpoint_plugins`' answer; when it is set, vLLM's rule applies and
+   it must name `ds4` (which also loads the general plugin, this one).
 """
 
 from __future__ import annotations
@@ -52,6 +62,12 @@ PATCHED_NAMES: dict[str, str] = {
     "vllm.tokenizers.registry.get_config": (
         "module global replaced: the tokenizer loader reads transformers' DeepSeek V4 dirs as ds4"
     ),
+    "vllm.v1.engine.async_llm.AsyncLLM.generate": (
+        "wrapped: notes each RequestOutput for the HTTP request being served (usage fields)"
+    ),
+    "vllm.plugins.load_endpoint_plugins": (
+        "module global replaced: adds ds4's /v1/kv_cache plugin when VLLM_PLUGINS is unset"
+    ),
 }
 
 #: Public vLLM names ds4-vllm uses; checked with PATCHED_NAMES so an upgrade shows all breaks.
@@ -77,6 +93,10 @@ PUBLIC_NAMES: tuple[str, ...] = (
     "vllm.forward_context.ForwardContext",  # its declared field additional_kwargs carries StepHidden
     "vllm.forward_context.is_forward_context_available",
     "vllm.engine.arg_utils.EngineArgs.shutdown_timeout",  # SIGTERM drain: time for shutdown saves
+    # usage fields and /v1/kv_cache (ds4_vllm.serving)
+    "vllm.outputs.RequestOutput",  # num_cached_tokens, prompt_token_ids, final kv_transfer_params
+    "vllm.plugins.endpoint_plugins.interface.EndpointPlugin",
+    "vllm.entrypoints.launchers.cli_args.FrontendArgs",  # its `middleware` field: --middleware
 )
 
 _PATCHED_MARK = "_ds4_patched"
@@ -87,6 +107,8 @@ def apply() -> None:
     resolve_default_model_name()
     rewrite_sys_argv_for_serve()
     read_deepseek_v4_tokenizer_dirs_as_ds4()
+    record_request_outputs()
+    load_ds4_endpoint_plugin_by_default()
 
 
 def resolve_default_model_name() -> None:
@@ -166,3 +188,42 @@ def read_deepseek_v4_tokenizer_dirs_as_ds4() -> None:
 
     setattr(get_config, _PATCHED_MARK, True)
     registry.get_config = get_config
+
+
+def record_request_outputs() -> None:
+    """Note every RequestOutput for the HTTP request being served (see item 5)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if getattr(AsyncLLM.generate, _PATCHED_MARK, False):
+        return
+    from ds4_vllm.serving.request_outputs import record_outputs
+
+    wrapper = record_outputs(AsyncLLM.generate)
+    setattr(wrapper, _PATCHED_MARK, True)
+    AsyncLLM.generate = wrapper  # type: ignore[method-assign]
+
+
+def load_ds4_endpoint_plugin_by_default() -> None:
+    """With `VLLM_PLUGINS` unset, load ds4's endpoint plugin (only it) too (see item 6)."""
+    import vllm.plugins as plugins
+
+    if getattr(plugins.load_endpoint_plugins, _PATCHED_MARK, False):
+        return
+    original = plugins.load_endpoint_plugins
+
+    @functools.wraps(original)
+    def load_endpoint_plugins(supported_tasks: Any = None) -> Any:
+        import vllm.envs as envs
+
+        from ds4_vllm.serving.kv_cache_route import Ds4KvCacheEndpoint
+
+        loaded = original(supported_tasks)
+        if envs.VLLM_PLUGINS is not None or any(p.name == Ds4KvCacheEndpoint.name for p in loaded):
+            return loaded
+        plugin = Ds4KvCacheEndpoint()
+        if supported_tasks is None or not set(plugin.required_tasks) & set(supported_tasks):
+            return loaded
+        return [*loaded, plugin]
+
+    setattr(load_endpoint_plugins, _PATCHED_MARK, True)
+    plugins.load_endpoint_plugins = load_endpoint_plugins
