@@ -39,12 +39,14 @@ def register() -> None:
     from ds4_vllm.model.config import register_auto_config
     from ds4_vllm.model.config_parser import register_config_format
     from ds4_vllm.model.gguf_serving import register_gguf_loader
+    from ds4_vllm.serving.startup import register_tokenizer_and_renderer
 
     register_auto_config()
     _register_model()
     _register_connector()
     register_config_format()
     register_gguf_loader()
+    register_tokenizer_and_renderer()
     vllm_compat.apply()
 
 

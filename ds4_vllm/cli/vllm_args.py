@@ -9,7 +9,9 @@ plain `vllm serve` the plugin applies them to `sys.argv` (`ds4_vllm.vllm_compat`
 - `--kv-connector NAME` and the ds4 cache flags (`--kv-disk-dir DIR`, ...) →
   `--kv-transfer-config '{"kv_connector": NAME, "kv_role": "kv_both",
   "kv_connector_extra_config": {"kv_disk_dir": DIR, ...}}'` (for ds4disk also
-  `"kv_load_failure_policy": "recompute"`, and `--shutdown-timeout 5` unless given).
+  `"kv_load_failure_policy": "recompute"`, and `--shutdown-timeout 5` unless given);
+- a ds4 model (`ds4_vllm.serving.startup.is_ds4_model_arg`) → plus the API-server flags ds4
+  serving needs (`serving_flags`: the raw-body middleware, the tool-call parser), unless given.
 
 The ds4 cache flags, their kinds and bounds come from the one settings table,
 `ds4_vllm.store.options.SETTINGS`, and are parsed by the same code as
@@ -199,10 +201,34 @@ def _collect_kv_flags(argv: list[str]) -> tuple[list[str], str | None, dict[str,
     return out, connector, extra
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The last value given for `--flag VALUE` / `--flag=VALUE`, if any."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def add_serving_flags(argv: list[str]) -> list[str]:
+    """Append the ds4 API-server flags (`serving_flags`) when the command line serves a ds4 model."""
+    from ds4_vllm.serving.startup import is_ds4_model_arg, serving_flags
+
+    idx = _model_value_index(argv)
+    model = _value_at(argv, idx) if idx is not None else None
+    if not is_ds4_model_arg(model, _flag_value(argv, "--config-format")):
+        return list(argv)
+    return list(argv) + serving_flags(argv)
+
+
 def rewrite_serve_argv(argv: list[str], model_dir: Callable[[], str]) -> list[str]:
-    """Both rewrites for a `vllm serve` command line; `model_dir` is called only when needed."""
+    """All rewrites for a `vllm serve` command line; `model_dir` is called only when needed."""
     if not is_serve_command(argv):
         return list(argv)
     if mentions_default_model(argv):
         argv = rewrite_model_arg(argv, model_dir())
-    return rewrite_kv_connector_args(argv)
+    return add_serving_flags(rewrite_kv_connector_args(argv))

@@ -33,7 +33,8 @@ from typing import Any
 #: Every vLLM name this module patches or relies on privately, with what it does with it.
 PATCHED_NAMES: dict[str, str] = {
     "vllm.engine.arg_utils.EngineArgs.create_engine_config": (
-        "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config"
+        "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config, and "
+        "selects tokenizer mode `ds4` for Ds4ForCausalLM in the config it returns"
     ),
     "vllm.engine.arg_utils.get_model_path": (
         "module global replaced: EngineArgs.__post_init__ calls it under HF_HUB_OFFLINE=1"
@@ -50,6 +51,9 @@ PATCHED_NAMES: dict[str, str] = {
     ),
     "vllm.tokenizers.registry.get_config": (
         "module global replaced: the tokenizer loader reads transformers' DeepSeek V4 dirs as ds4"
+    ),
+    "vllm.renderers.base.BaseRenderer._render_prompt_async": (
+        "relied on: Ds4Renderer overrides it (and render_prompt) to wrap /v1/completions prompts"
     ),
 }
 
@@ -76,6 +80,12 @@ PUBLIC_NAMES: tuple[str, ...] = (
     "vllm.forward_context.ForwardContext",  # its declared field additional_kwargs carries StepHidden
     "vllm.forward_context.is_forward_context_available",
     "vllm.engine.arg_utils.EngineArgs.shutdown_timeout",  # SIGTERM drain: time for shutdown saves
+    # the ds4 tokenizer and renderer (ds4_vllm.serving)
+    "vllm.tokenizers.registry.TokenizerRegistry",
+    "vllm.renderers.registry.RENDERER_REGISTRY",
+    "vllm.renderers.base.BaseRenderer.render_messages_async",
+    "vllm.tokenizers.hf.get_cached_tokenizer",
+    "vllm.config.model.ModelConfig.architecture",
 )
 
 _PATCHED_MARK = "_ds4_patched"
@@ -101,9 +111,12 @@ def resolve_default_model_name() -> None:
     @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ds4_vllm import resolve_default_model
+        from ds4_vllm.serving.startup import select_tokenizer_mode
 
         resolve_default_model(self)
-        return original_create(self, *args, **kwargs)
+        config = original_create(self, *args, **kwargs)
+        select_tokenizer_mode(config.model_config)
+        return config
 
     @functools.wraps(original_get_model_path)
     def get_model_path(model: Any, revision: str | None = None) -> Any:
