@@ -12,9 +12,12 @@ parser for that route:
 - /v1/completions (and /render)                      each text prompt in the §8.2 wrapper
 
 The result is returned as token ids (`Ds4Tokenizer`, the engine's tokenization), which vLLM uses
-as they are. Without a raw body (offline `LLM.chat`, the batch route, a second rendering within
-one request) the parsed messages are rendered by the same rules; tool schemas are then compact
-JSON of what vLLM parsed, which matches the engine only if the client sent compact JSON.
+as they are. vLLM may also render conversations of its own while handling a request (the
+Anthropic route's one-time thinking probe, the Responses built-in tool loop); the body is used
+only when it `describes` the messages vLLM passes. Without a raw body (offline `LLM.chat`, the
+batch route, those extra renderings) the parsed messages are rendered by the same rules; tool
+schemas are then compact JSON of what vLLM parsed, which matches the engine only if the client
+sent compact JSON.
 Offline `LLM.generate` text is tokenized as is (no wrapper): that API takes raw model input.
 
 `ctx_size` (which decides whether max reasoning effort injects its prefix) is vLLM's
@@ -122,6 +125,34 @@ def fallback_chat_body(messages: Sequence[Any], params: ChatParams) -> dict[str,
     return body
 
 
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def describes(rendered: RenderedPrompt, messages: Sequence[Any]) -> bool:
+    """Whether a rendering of the raw body is the conversation vLLM asked to render.
+
+    vLLM converts each API to chat messages its own way, so the check is loose but enough to
+    tell the request's conversation from others rendered in its context: the text of vLLM's
+    last message must occur in the last non-system message the engine's parser found.
+    """
+    last = messages[-1] if messages else None
+    text = _text_of(last.get("content")) if isinstance(last, Mapping) else ""
+    if not text:
+        return True
+    ours = [m for m in rendered.messages if m.role not in ("system", "developer")]
+    if not ours:
+        return False
+    m = ours[-1]
+    return text in m.content + m.reasoning + "".join(c.arguments for c in m.tool_calls)
+
+
 def _conversation(rendered: RenderedPrompt) -> list[ConversationMessage]:
     out: list[ConversationMessage] = []
     for m in rendered.messages:
@@ -157,10 +188,11 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         """The engine's prompt for one chat-like request: from the raw body when there is one."""
         kwargs = params.chat_template_kwargs or {}
         try:
-            if raw is not None and raw.route in _RENDERERS and raw.claim():
-                body = self._parse_body(raw)
-                body = with_vllm_thinking(raw.route, body, kwargs)
-                return _RENDERERS[raw.route](body, ctx_size=self.ctx_size, replay=self.replay)
+            if raw is not None and raw.route in _RENDERERS:
+                body = with_vllm_thinking(raw.route, self._parse_body(raw), kwargs)
+                rendered = _RENDERERS[raw.route](body, ctx_size=self.ctx_size, replay=self.replay)
+                if describes(rendered, messages):
+                    return rendered
             if raw is None and not self._warned_no_body:
                 self._warned_no_body = True
                 logger.info(

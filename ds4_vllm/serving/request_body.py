@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import enum
-import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -59,26 +58,13 @@ ROUTES: dict[str, Route] = {
 }
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class RawRequest:
     """One HTTP request's route and exact body bytes."""
 
     route: Route
     path: str
     body: bytes
-    _claimed: bool = False
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def claim(self) -> bool:
-        """True the first time only: the body describes the request's first chat rendering.
-
-        A route may render again within one request from messages vLLM built itself (the
-        Responses built-in tool loop); those renderings must not reuse the client's body.
-        """
-        with self._lock:
-            first = not self._claimed
-            self._claimed = True
-            return first
 
 
 RAW_REQUEST: contextvars.ContextVar[RawRequest | None] = contextvars.ContextVar(

@@ -96,9 +96,31 @@ def test_middleware_leaves_other_requests_alone() -> None:
     assert raw is None and body == b"abc"
 
 
-def test_a_body_renders_one_conversation_only() -> None:
-    raw = RawRequest(Route.RESPONSES, "/v1/responses", b"{}")
-    assert [raw.claim(), raw.claim()] == [True, False]
+def test_a_body_renders_only_the_conversation_it_describes() -> None:
+    from ds4_vllm.chat.render import render_anthropic_messages
+
+    describes = _renderer_module().describes
+    body = {
+        "system": "S",
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "w", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "snow"}]},
+        ],
+    }
+    rendered = render_anthropic_messages(body, ctx_size=4096)
+    # vLLM's own conversion of that request (system first, the result as a tool message) ...
+    converted = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]},
+        {"role": "tool", "tool_call_id": "t", "content": "snow"},
+    ]
+    assert describes(rendered, converted)
+    assert describes(rendered, converted[:3])  # no text to compare: trusted
+    # ... but not vLLM's Anthropic thinking probe, nor a later turn of a built-in tool loop.
+    assert not describes(rendered, [{"role": "user", "content": "Hi"}])
+    assert not describes(rendered, [*converted, {"role": "tool", "content": "result of turn 2"}])
 
 
 # -- thinking switches from vLLM's fields ------------------------------------------------------------
