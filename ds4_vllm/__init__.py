@@ -40,6 +40,7 @@ def register() -> None:
     from ds4_vllm.model.config_parser import register_config_format
     from ds4_vllm.model.gguf_serving import register_gguf_loader
     from ds4_vllm.serving.parsers import register_parsers
+    from ds4_vllm.serving.startup import register_tokenizer_and_renderer
 
     register_auto_config()
     _register_model()
@@ -47,6 +48,7 @@ def register() -> None:
     register_config_format()
     register_gguf_loader()
     register_parsers()
+    register_tokenizer_and_renderer()
     vllm_compat.apply()
 
 

@@ -8,10 +8,7 @@ import pytest
 
 from ds4_vllm.cli.vllm_args import (
     KV_CACHE_FLAGS,
-    USAGE_MIDDLEWARE,
     ArgvError,
-    ServeDefault,
-    add_serve_defaults,
     mentions_default_model,
     rewrite_kv_connector_args,
     rewrite_model_arg,
@@ -19,7 +16,6 @@ from ds4_vllm.cli.vllm_args import (
 )
 from ds4_vllm.store.options import SETTINGS, StoreConfigError, StoreOptions
 
-USAGE_ARGS = ["--middleware", "ds4_vllm.serving.middleware.Ds4UsageMiddleware"]
 MODEL_DIR = "/cache/ds4-tiny"
 
 
@@ -81,28 +77,8 @@ def test_model_dir_only_materialized_when_needed() -> None:
     def boom() -> str:
         raise AssertionError("should not be called")
 
-    assert rewrite_serve_argv(["serve", "/models/x"], boom) == ["serve", "/models/x", *USAGE_ARGS]
+    assert rewrite_serve_argv(["serve", "/models/x"], boom) == ["serve", "/models/x"]
     assert rewrite_serve_argv(["chat"], boom) == ["chat"]
-
-
-def test_serve_gets_the_usage_middleware_once() -> None:
-    """Kept once, after the user's own middleware, before `--`; idempotent."""
-    argv = ["serve", "m", "--middleware", "my.Mw", "--", "x"]
-    once = add_serve_defaults(argv)
-    assert once == ["serve", "m", "--middleware", "my.Mw", *USAGE_ARGS, "--", "x"]
-    assert add_serve_defaults(once) == once
-    assert add_serve_defaults(["serve", "m", f"--middleware={USAGE_MIDDLEWARE}"]) == [
-        "serve",
-        "m",
-        f"--middleware={USAGE_MIDDLEWARE}",
-    ]
-
-
-def test_switch_defaults_respect_the_users_spelling() -> None:
-    switch = ServeDefault("--enable-thing")
-    assert switch.present_in(["serve", "--no-enable-thing"])
-    assert switch.present_in(["serve", "--enable-thing=false"])
-    assert not switch.present_in(["serve", "--enable-thing-else"])
 
 
 def test_kv_connector_with_ds4_engine_flags() -> None:

@@ -10,8 +10,8 @@ plain `vllm serve` the plugin applies them to `sys.argv` (`ds4_vllm.vllm_compat`
   `--kv-transfer-config '{"kv_connector": NAME, "kv_role": "kv_both",
   "kv_connector_extra_config": {"kv_disk_dir": DIR, ...}}'` (for ds4disk also
   `"kv_load_failure_policy": "recompute"`, and `--shutdown-timeout 5` unless given);
-- every `serve` command line gets the vLLM flags of `SERVE_DEFAULT_ARGS` unless it has them
-  (ds4's usage middleware, which does nothing for models other than ds4).
+- a ds4 model (`ds4_vllm.serving.startup.is_ds4_model_arg`) → plus the API-server flags ds4
+  serving needs (`serving_flags`: the raw-body middleware, the tool-call parser), unless given.
 
 The ds4 cache flags, their kinds and bounds come from the one settings table,
 `ds4_vllm.store.options.SETTINGS`, and are parsed by the same code as
@@ -20,7 +20,6 @@ The ds4 cache flags, their kinds and bounds come from the one settings table,
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -42,41 +41,6 @@ DEFAULT_CONNECTOR = "ds4disk"
 #: vLLM's default (0) kills the engine at once on SIGTERM; ds4disk needs a few seconds of vLLM's
 #: graceful drain to save running requests as `shutdown` checkpoints. Below Docker's 10 s stop grace.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5
-
-#: The ASGI middleware that puts cache usage on every response (`ds4_vllm.serving.middleware`).
-USAGE_MIDDLEWARE = "ds4_vllm.serving.middleware.Ds4UsageMiddleware"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ServeDefault:
-    """A vLLM flag every `vllm serve` command line gets unless it already has it.
-
-    `value` None is a bare switch (present as `--flag`, `--flag=...` or `--no-flag`); for a
-    `repeatable` flag (vLLM appends the values) only the same value counts as present.
-    """
-
-    flag: str
-    value: str | None = None
-    repeatable: bool = False
-
-    def present_in(self, argv: list[str]) -> bool:
-        if self.repeatable:
-            pairs = zip(argv, [*argv[1:], None], strict=True)
-            return any(
-                a == f"{self.flag}={self.value}" or (a == self.flag and nxt == self.value) for a, nxt in pairs
-            )
-        negated = "--no-" + self.flag.removeprefix("--")
-        return any(a in (self.flag, negated) or a.startswith((f"{self.flag}=", f"{negated}=")) for a in argv)
-
-    def args(self) -> list[str]:
-        return [self.flag] if self.value is None else [self.flag, self.value]
-
-
-#: vLLM flags ds4 adds to every `vllm serve` (extend here; each is added once, before any `--`).
-SERVE_DEFAULT_ARGS: tuple[ServeDefault, ...] = (
-    # Usage fields on every response and the counters of GET /v1/kv_cache; inert for other models.
-    ServeDefault("--middleware", USAGE_MIDDLEWARE, repeatable=True),
-)
 
 #: ds4 cache flag → its `kv_connector_extra_config` key, for every setting in SETTINGS.
 KV_CACHE_FLAGS: dict[str, str] = {setting_flag(key): key for key in SETTINGS}
@@ -237,14 +201,28 @@ def _collect_kv_flags(argv: list[str]) -> tuple[list[str], str | None, dict[str,
     return out, connector, extra
 
 
-def add_serve_defaults(argv: list[str]) -> list[str]:
-    """Add the flags of `SERVE_DEFAULT_ARGS` that a `serve` command line lacks (before any `--`)."""
-    end = argv.index("--") if "--" in argv else len(argv)
-    head, tail = list(argv[:end]), list(argv[end:])
-    for default in SERVE_DEFAULT_ARGS:
-        if not default.present_in(head):
-            head += default.args()
-    return head + tail
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The last value given for `--flag VALUE` / `--flag=VALUE`, if any."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def add_serving_flags(argv: list[str]) -> list[str]:
+    """Append the ds4 API-server flags (`serving_flags`) when the command line serves a ds4 model."""
+    from ds4_vllm.serving.startup import is_ds4_model_arg, serving_flags
+
+    idx = _model_value_index(argv)
+    model = _value_at(argv, idx) if idx is not None else None
+    if not is_ds4_model_arg(model, _flag_value(argv, "--config-format")):
+        return list(argv)
+    return list(argv) + serving_flags(argv)
 
 
 def rewrite_serve_argv(argv: list[str], model_dir: Callable[[], str]) -> list[str]:
@@ -253,4 +231,4 @@ def rewrite_serve_argv(argv: list[str], model_dir: Callable[[], str]) -> list[st
         return list(argv)
     if mentions_default_model(argv):
         argv = rewrite_model_arg(argv, model_dir())
-    return add_serve_defaults(rewrite_kv_connector_args(argv))
+    return add_serving_flags(rewrite_kv_connector_args(argv))

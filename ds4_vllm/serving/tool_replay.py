@@ -82,21 +82,20 @@ def configure_tool_memory(vllm_config: Any) -> ToolMemory:
 
 
 class ToolReplay:
-    """The renderer's `replay(tool_call_id)` for one request: exact ids only, else None."""
+    """The renderer's `replay(tool_call_id)`: the remembered DSML of an exact id, else None.
+
+    A miss first reads the checkpoint trailers written since the last read (`ToolMemory.restore`),
+    so ids handed out by another server sharing the directory replay here too.
+    """
 
     def __init__(self, memory: ToolMemory | None = None) -> None:
-        self.memory = memory if memory is not None else tool_memory()
-        self.used: dict[str, str] = {}
-        self._refreshed = False
+        self.memory = memory
 
     def __call__(self, tool_call_id: str) -> str | None:
-        block = self.memory.lookup(tool_call_id)
-        if block is None and not self._refreshed:
-            self._refreshed = True
-            if self.memory.restore([tool_call_id]):
-                block = self.memory.lookup(tool_call_id)
-        if block is not None:
-            self.used[tool_call_id] = block
+        memory = self.memory if self.memory is not None else tool_memory()
+        block = memory.lookup(tool_call_id)
+        if block is None and memory.restore([tool_call_id]):
+            block = memory.lookup(tool_call_id)
         return block
 
 

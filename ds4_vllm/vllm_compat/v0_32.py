@@ -31,6 +31,11 @@
    `VLLM_PLUGINS` names them. When `VLLM_PLUGINS` is unset we add ds4's own endpoint plugin
    (and only it) to `load_endpoint_plugins`' answer; when it is set, vLLM's rule applies and
    it must name `ds4` (which also loads the general plugin, this one).
+7. The ds4 tokenizer mode for `Ds4ForCausalLM`. vLLM picks a tokenizer mode by architecture
+   only for its own models, after plugins ran. The wrapped `create_engine_config` sets
+   `tokenizer_mode` "ds4" (our registered tokenizer and renderer) when it is "auto" and the
+   architecture is ours. The renderer overrides `BaseRenderer._render_prompt_async` to wrap
+   `/v1/completions` text prompts as the ds4 engine does (no public hook renders them).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from typing import Any
 PATCHED_NAMES: dict[str, str] = {
     "vllm.engine.arg_utils.EngineArgs.create_engine_config": (
         "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config, and "
-        "sizes and loads the API server's tool-call memory from the config it returns"
+        "selects tokenizer mode `ds4` for Ds4ForCausalLM in the config it returns, and sizes and "
+        "loads the API server's tool-call memory from it"
     ),
     "vllm.engine.arg_utils.get_model_path": (
         "module global replaced: EngineArgs.__post_init__ calls it under HF_HUB_OFFLINE=1"
@@ -67,6 +73,9 @@ PATCHED_NAMES: dict[str, str] = {
     ),
     "vllm.plugins.load_endpoint_plugins": (
         "module global replaced: adds ds4's /v1/kv_cache plugin when VLLM_PLUGINS is unset"
+    ),
+    "vllm.renderers.base.BaseRenderer._render_prompt_async": (
+        "relied on: Ds4Renderer overrides it (and render_prompt) to wrap /v1/completions prompts"
     ),
 }
 
@@ -97,6 +106,12 @@ PUBLIC_NAMES: tuple[str, ...] = (
     "vllm.outputs.RequestOutput",  # num_cached_tokens, prompt_token_ids, final kv_transfer_params
     "vllm.plugins.endpoint_plugins.interface.EndpointPlugin",
     "vllm.entrypoints.launchers.cli_args.FrontendArgs",  # its `middleware` field: --middleware
+    # the ds4 tokenizer and renderer (ds4_vllm.serving)
+    "vllm.tokenizers.registry.TokenizerRegistry",
+    "vllm.renderers.registry.RENDERER_REGISTRY",
+    "vllm.renderers.base.BaseRenderer.render_messages_async",
+    "vllm.tokenizers.hf.get_cached_tokenizer",
+    "vllm.config.model.ModelConfig.architecture",
 )
 
 _PATCHED_MARK = "_ds4_patched"
@@ -124,12 +139,14 @@ def resolve_default_model_name() -> None:
     @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ds4_vllm import resolve_default_model
+        from ds4_vllm.serving.startup import select_tokenizer_mode
 
         resolve_default_model(self)
         config = original_create(self, *args, **kwargs)
         from ds4_vllm.serving.tool_replay import configure_tool_memory
 
         configure_tool_memory(config)  # the API server builds its config here; ids survive restarts
+        select_tokenizer_mode(config.model_config)
         return config
 
     @functools.wraps(original_get_model_path)

@@ -94,10 +94,14 @@ def test_deepseek_v4_dir_matches_default_model(tmp_path: Path) -> None:
     ).start()
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        # Token prompts: /v1/completions wraps text prompts in the ds4 chat template (§8.2),
+        # which offline `LLM.generate` does not; the engine's tokenizer gives the same ids.
+        from ds4_vllm.chat.tokenizer import default_tokenizer
+
         texts = [
             client.completions.create(
                 model=str(v4_dir),
-                prompt=prompt,
+                prompt=default_tokenizer().encode(prompt),
                 max_tokens=8,
                 temperature=0.0,
                 extra_body={"ignore_eos": True},

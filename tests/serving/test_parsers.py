@@ -188,7 +188,6 @@ def test_replayed_ids_render_the_sampled_bytes_and_travel_to_the_connector(
     replay = ToolReplay()
     text = render_chat_completion(body, ctx_size=4096, replay=replay).text
     assert "I will look." + BLOCK + "<｜end▁of▁sentence｜>" in text  # byte extension of the sampled answer
-    assert replay.used == {calls[0].id: BLOCK, calls[1].id: BLOCK}
     canonical = render_chat_completion(body, ctx_size=4096).text
     assert BLOCK not in canonical  # without replay the re-serialized arguments would differ
 
