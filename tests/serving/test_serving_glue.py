@@ -22,7 +22,7 @@ from ds4_vllm.serving.request_body import (
 )
 from ds4_vllm.serving.startup import (
     RAW_BODY_MIDDLEWARE,
-    TOOL_CALL_PARSER,
+    USAGE_MIDDLEWARE,
     is_ds4_model_arg,
     select_tokenizer_mode,
     serving_flags,
@@ -229,9 +229,13 @@ def test_serve_command_gets_the_serving_flags_once(tmp_path: Path) -> None:
         "ds4",
         "--middleware",
         RAW_BODY_MIDDLEWARE,
+        "--middleware",
+        USAGE_MIDDLEWARE,
         "--enable-auto-tool-choice",
         "--tool-call-parser",
-        TOOL_CALL_PARSER,
+        "ds4",
+        "--reasoning-parser",
+        "ds4",
     ]
     # `ds4-vllm serve` rewrites before vLLM, whose plugin rewrites again: nothing is added twice.
     assert rewrite_serve_argv(argv, lambda: model_dir) == argv
@@ -247,7 +251,15 @@ def test_user_flags_win_and_other_models_get_none(tmp_path: Path) -> None:
         "my.Middleware",
         "--config-format=ds4",
     ]
-    assert serving_flags(given) == ["--middleware", RAW_BODY_MIDDLEWARE, "--enable-auto-tool-choice"]
+    assert serving_flags(given) == [
+        "--middleware",
+        RAW_BODY_MIDDLEWARE,
+        "--middleware",
+        USAGE_MIDDLEWARE,
+        "--enable-auto-tool-choice",
+        "--reasoning-parser",
+        "ds4",
+    ]
     plain = ["serve", "--model", _model_dir(tmp_path, "q", {"model_type": "qwen2"})]
     assert rewrite_serve_argv(plain, lambda: "unused") == plain
 
