@@ -47,9 +47,12 @@ def expert_heavy_gguf(tmp_path_factory):
     path.unlink()  # 1.1 GiB: do not leave it in pytest's kept temp dirs
 
 
-def worker_peak(model: Path) -> tuple[int, dict]:
-    """VmHWM bytes of the vLLM worker serving `model` in a fresh process, and the probe's result."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+def worker_peak(model: Path, cache: Path) -> tuple[int, dict]:
+    """VmHWM bytes of the vLLM worker serving `model` in a fresh process, and the probe's result.
+
+    `cache` receives the tokenizer directory written from the file (one per file path).
+    """
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DS4_VLLM_CACHE": str(cache)}
     done = subprocess.run(
         [sys.executable, "-m", "tests.model.memory_probe", str(model), "--prompt-tokens", "512"],
         cwd=REPO_ROOT,
@@ -64,7 +67,7 @@ def worker_peak(model: Path) -> tuple[int, dict]:
     return workers[0]["VmHWM"], result
 
 
-def test_expert_heavy_gguf_is_served_within_1_3x_its_size(expert_heavy_gguf):
+def test_expert_heavy_gguf_is_served_within_1_3x_its_size(expert_heavy_gguf, tmp_path):
     import gguf
 
     from ds4_vllm.model.tiny_gguf import tiny_gguf_file
@@ -74,8 +77,8 @@ def test_expert_heavy_gguf_is_served_within_1_3x_its_size(expert_heavy_gguf):
     assert expert_bytes > 0.8 * sum(int(t.n_bytes) for t in tensors)
 
     baseline = tiny_gguf_file("ds4-tiny-q2")
-    big_peak, _ = worker_peak(expert_heavy_gguf)
-    base_peak, _ = worker_peak(baseline)
+    big_peak, _ = worker_peak(expert_heavy_gguf, tmp_path)
+    base_peak, _ = worker_peak(baseline, tmp_path)
     extra_file = expert_heavy_gguf.stat().st_size - baseline.stat().st_size
     ratio = (big_peak - base_peak) / extra_file
     print(
