@@ -71,6 +71,10 @@ class Ds4ConfigParser(ConfigParserBase):
             )
             config.architectures = [DS4_ARCHITECTURE]
         config.name_or_path = str(model)
+        # vLLM takes `quantization_config` from the returned dict, not from the config object, and
+        # would apply its FP8 method (refusing float32) to a model that dequantizes its own
+        # weights; the config keeps it as `checkpoint_quantization`.
+        config_dict = {k: v for k, v in config_dict.items() if k != "quantization_config"}
         return config_dict, config
 
 

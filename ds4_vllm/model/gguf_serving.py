@@ -15,9 +15,11 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 from torch import nn
 from tqdm import tqdm
 from vllm.config import ModelConfig
@@ -93,12 +95,12 @@ class Ds4GgufModelLoader(BaseModelLoader):
         """Local files only: nothing to download."""
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        gguf = Ds4GgufFile.open(model_config.model)
+        path = Path(model_config.model)
+        started, rss_before = time.perf_counter(), _resident_bytes()
+        gguf = Ds4GgufFile.open(path)
         names = gguf.native_names()
-        total = Path(model_config.model).stat().st_size
-        with tqdm(
-            total=total, unit="B", unit_scale=True, desc=f"Loading {Path(model_config.model).name}"
-        ) as bar:
+        total = path.stat().st_size
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {path.name}") as bar:
 
             def stream():
                 for count, (name, weight) in enumerate(gguf.tensors(), 1):
@@ -107,6 +109,20 @@ class Ds4GgufModelLoader(BaseModelLoader):
                     bar.set_postfix_str(f"{count}/{len(names)} tensors", refresh=False)
 
             model.load_weights(stream())
+        # Packed weights stay memory-mapped: their pages become resident when first used, so the
+        # growth here is mostly the tensors converted to the model's dtype.
+        logger.info(
+            "Loaded %s (%.2f GiB, %d tensors) in %.1f s; resident memory grew by %.2f GiB",
+            path.name,
+            total / 2**30,
+            len(names),
+            time.perf_counter() - started,
+            (_resident_bytes() - rss_before) / 2**30,
+        )
+
+
+def _resident_bytes() -> int:
+    return psutil.Process().memory_info().rss
 
 
 def _nbytes(weight: Any) -> int:
