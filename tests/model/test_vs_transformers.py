@@ -1,11 +1,15 @@
-"""Issue 2: our vLLM model's log-probs equal transformers' DeepseekV4ForCausalLM on the same weights.
+"""Our vLLM model's log-probs equal transformers' DeepseekV4ForCausalLM on the same weights.
 
-Prompts up to 2,600 tokens exercise both compressors (ratio 4 and 128) and the
-indexer's top-512 selection (more than 512 compressed rows from 2,048 tokens on),
-then a few decode steps after each prompt.
+The engine serves what a transformers user has: the reference model written by transformers'
+`save_pretrained` (native-style names, transformers' config form) with the tokenizer files
+copied in, loaded with the one flag `config_format="ds4"`. Prompts up to 2,600 tokens exercise
+both compressors (ratio 4 and 128) and the indexer's top-512 selection (more than 512
+compressed rows from 2,048 tokens on), then a few decode steps after each prompt.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -25,8 +29,24 @@ DECODE_STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def llm():
-    engine = make_engine()
+def llm(reference_model, tmp_path_factory):
+    from safetensors import safe_open
+    from transformers import DeepseekV4ForCausalLM
+
+    from ds4_vllm.model.default_model import default_model_dir
+
+    saved = tmp_path_factory.mktemp("transformers") / "saved"
+    # A model transformers built, given the reference's weights: it saves the native-style layout
+    # (`head.weight`, `model.layers.N.attn.wq_a.weight`, per-expert `ffn.experts.E.w1.weight`).
+    fresh = DeepseekV4ForCausalLM(reference_model.config)
+    fresh.load_state_dict(reference_model.state_dict())
+    fresh.save_pretrained(saved)
+    del fresh
+    with safe_open(saved / "model.safetensors", "pt") as f:
+        assert "head.weight" in f.keys() and "model.layers.0.ffn.experts.0.w1.weight" in f.keys()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, saved / name)
+    engine = make_engine(model=str(saved), config_format="ds4")
     yield engine
     shutdown_engine(engine)
 
