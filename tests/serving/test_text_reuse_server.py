@@ -98,7 +98,7 @@ def run(tmp_path_factory):
         "64",
     ]
     out: dict = {}
-    server = ServerProcess(args, base / "a.log").start()
+    server = ServerProcess(args, base / "a.log").start(timeout=600)  # 2 shared cores: starts take minutes
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
         for name, seed in CONVERSATIONS.items():
@@ -107,7 +107,7 @@ def run(tmp_path_factory):
             out[name] = {"turn1": first, "turn2": conv.turn2(first)}
     finally:
         server.stop()
-    server = ServerProcess(args, base / "b.log").start()  # same directory, empty memory
+    server = ServerProcess(args, base / "b.log").start(timeout=600)  # same directory, empty memory
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
         for name, seed in CONVERSATIONS.items():
