@@ -137,7 +137,25 @@ class Ds4DiskScheduler:
         outcome = None
         if len(prompt) >= self.options.min_tokens:
             outcome = self.store.lookup(text, prompt, self.ctx_size, self.quant_bits)
+            if not outcome.hit or outcome.agreed_tokens < outcome.entry_tokens:
+                outcome = self._visible_lookup(prompt, outcome)
         self.lookups[req_id] = (len(text), outcome)
+        return outcome
+
+    def _visible_lookup(self, prompt: list[int], outcome: LookupOutcome) -> LookupOutcome:
+        """A prompt that carries an earlier answer's hidden reasoning (the API server reused that
+        state, README "Text-keyed reuse") is also looked up by its visible text: a file the ds4
+        engine keyed that way (ext bit 2) holds those very ids. Used only when all its ids agree."""
+        visible = self.token_text.visible_text(prompt)
+        if visible is None:
+            return outcome
+        other = self.store.lookup(visible, prompt, self.ctx_size, self.quant_bits)
+        if (
+            other.hit
+            and other.agreed_tokens == other.entry_tokens
+            and (not outcome.hit or other.agreed_tokens > outcome.agreed_tokens)
+        ):
+            return other
         return outcome
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

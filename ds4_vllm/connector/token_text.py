@@ -13,6 +13,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from ds4_vllm.store.text_reuse import ASSISTANT, THINK_END, THINK_START, hidden_spans
+
 FULLWIDTH_BAR = "\uff5c"
 
 
@@ -58,3 +60,22 @@ class TokenText:
 
     def token_id(self, content: str) -> int | None:
         return self.special.get(content)
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return self.special
+
+    def visible_text(self, token_ids: Sequence[int]) -> bytes | None:
+        """The text of `token_ids` without their closed reasoning blocks (ds4's thinking-visible
+        key, spec §5.2.3), or None when they hold none."""
+        if not all(s in self.special for s in (ASSISTANT, THINK_START, THINK_END)):
+            return None
+        spans = hidden_spans(token_ids, self)
+        if not spans:
+            return None
+        kept, at = [], 0
+        for start, stop in spans:
+            kept.append(self.text(token_ids[at:start]))
+            at = stop
+        kept.append(self.text(token_ids[at:]))
+        return b"".join(kept)

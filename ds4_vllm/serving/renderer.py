@@ -22,7 +22,8 @@ Offline `LLM.generate` text is tokenized as is (no wrapper): that API takes raw 
 
 `ctx_size` (which decides whether max reasoning effort injects its prefix) is vLLM's
 `max_model_len`, the engine's `-c`. Exact replay of sampled tool calls comes from a tool memory
-(`ds4_vllm.serving.tool_replay`).
+(`ds4_vllm.serving.tool_replay`); the ids of a prompt that extends a known state's text are that
+state's exact ids plus the rest tokenized (`ds4_vllm.serving.token_memory`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ds4_vllm.chat.render import (
 )
 
 from .request_body import RawRequest, Route, current_raw_request
+from .token_memory import configure_text_reuse
 from .tokenizer import Ds4HfTokenizer
 from .tool_replay import ToolReplay
 
@@ -159,12 +161,16 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         self.replay: Replay = ToolReplay()  # exact replay of sampled tool calls (tool memory)
         self._render_async = make_async(self.render_request, executor=self._executor)
         self._warned_no_body = False
+        self.text_reuse = configure_text_reuse(config, tokenizer.ds4) if tokenizer is not None else None
 
     # -- text -------------------------------------------------------------------------------------
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt (the engine's tokenization of its text)."""
-        return self.get_tokenizer().ds4.encode(text)
+        """Token ids of a rendered prompt as the engine builds them: the exact ids of the longest
+        known state whose text begins it, then the tokenization of the rest (text-keyed reuse)."""
+        if self.text_reuse is None:
+            return self.get_tokenizer().ds4.encode(text)
+        return self.text_reuse.encode(text)
 
     def render_request(
         self,
@@ -243,7 +249,8 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
             think_mode = render_completion(self._parse_body(raw), ctx_size=self.ctx_size).think_mode
         except RenderError as exc:
             raise VLLMValidationError(str(exc)) from None
-        return {**prompt, "prompt": completion_prompt_text(text, think_mode)}  # type: ignore[return-value]
+        wrapped = completion_prompt_text(text, think_mode)
+        return {**prompt, "prompt": wrapped, "prompt_token_ids": self.encode_prompt(wrapped)}  # type: ignore[return-value]
 
     def render_prompt(self, prompt: DictPrompt | bytes) -> DictPrompt:
         return super().render_prompt(self.completion_wrapper(prompt))

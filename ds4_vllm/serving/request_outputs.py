@@ -6,6 +6,7 @@ tokens it loaded from disk) from streams and `/v1/responses`. The ASGI middlewar
 opens a `RequestRecorder` for each HTTP request (a context variable, inherited by the tasks
 that serve it), and `record_outputs` wraps the engine client's `generate`
 (`ds4_vllm.vllm_compat` installs it) to note each engine request's latest output there.
+The same wrapper hands each finished sequence's ids to the text-keyed reuse (`token_memory`).
 No request ids are matched: the context variable ties outputs to their HTTP request.
 """
 
@@ -17,6 +18,7 @@ import functools
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from ds4_vllm.serving.token_memory import SequenceCollector
 from ds4_vllm.serving.usage import EngineCounts
 
 #: The `kv_transfer_params` key under which the ds4disk connector reports the prompt tokens it
@@ -70,6 +72,13 @@ def disk_tokens_of(kv_transfer_params: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
+def _sampling_params(args: tuple, kwargs: dict) -> Any:
+    """`generate`'s sampling params, wherever the caller passed them (bound or unbound wrapper)."""
+    if "sampling_params" in kwargs:
+        return kwargs["sampling_params"]
+    return next((a for a in args if hasattr(a, "output_kind")), None)
+
+
 @contextlib.contextmanager
 def recording() -> Any:
     """Open a recorder for the HTTP request served inside this block (and tasks started in it)."""
@@ -98,10 +107,13 @@ def record_outputs(
     async def wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         recorder = _current.get()
         number = recorder.start() if recorder is not None else 0
+        # Every finished sequence's exact ids, for text-keyed reuse of the next turn.
+        sequence = SequenceCollector(_sampling_params(args, kwargs))
         async with contextlib.aclosing(generate(*args, **kwargs)) as outputs:
             async for output in outputs:
                 if recorder is not None:
                     recorder.note(number, output)
+                sequence.note(output)
                 yield output
 
     return wrapper

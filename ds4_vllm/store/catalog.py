@@ -57,10 +57,19 @@ def agreement_outcome(
     """The outcome for a candidate (a file or an in-flight write) holding `tokens`.
 
     A hit needs `min_tokens` agreeing tokens; fewer agreeing than the candidate holds is
-    reported as "token mismatch at token N".
+    reported as "token mismatch at token N of M (...)": its text begins the prompt, but from
+    token N on the prompt's ids are another tokenization of it. Text-keyed reuse in the API
+    server makes this rare (the prompt starts with a known state's exact ids); it still happens
+    when the API server did not know the state (e.g. a file it could not read).
     """
     agreed = token_agreement(tokens, prompt_tokens)
-    mismatch = f"token mismatch at token {agreed}" if agreed < len(tokens) else None
+    mismatch = None
+    if agreed < len(tokens):
+        theirs = str(int(prompt_tokens[agreed])) if agreed < len(prompt_tokens) else "none (prompt ends)"
+        mismatch = (
+            f"token mismatch at token {agreed} of {len(tokens)} "
+            f"(the text matches; file id {int(tokens[agreed])}, prompt id {theirs})"
+        )
     if agreed < min_tokens:
         return LookupOutcome(False, f"{mismatch}, under the minimum {min_tokens}", **candidate)
     return LookupOutcome(

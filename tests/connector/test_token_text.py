@@ -60,3 +60,17 @@ def test_special_tokens_are_verbatim(token_text):
     user = token_text.token_id("<｜User｜>")
     assert user is not None
     assert token_text.text([user]) == "<｜User｜>".encode()
+
+
+def test_visible_text_leaves_out_closed_reasoning_after_the_assistant_token(token_text) -> None:
+    """The connector's second lookup key: ds4's thinking-visible text (§5.2.3) of a prompt's ids."""
+    from ds4_vllm.chat.tokenizer import default_tokenizer
+
+    tok = default_tokenizer()
+    head = "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>"
+    ids = tok.encode(head + "<think>Greet back.</think>Hello!<｜end▁of▁sentence｜><｜User｜>Again")
+    assert (
+        token_text.visible_text(ids) == (head + "</think>Hello!<｜end▁of▁sentence｜><｜User｜>Again").encode()
+    )
+    assert token_text.visible_text(tok.encode(head + "</think>Hello!")) is None  # nothing hidden
+    assert token_text.visible_text(tok.encode(head + "<think>still thinking")) is None  # unclosed

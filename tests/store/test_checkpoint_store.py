@@ -85,11 +85,13 @@ def test_token_mismatch_reports_agreeing_part(tmp_path: Path) -> None:
     put(tmp_path, stored, text=text_of(prompt[:30]))
     out = lookup(open_store(tmp_path), prompt)
     assert out.hit and out.entry_tokens == 30 and out.agreed_tokens == 12
-    assert out.reason == "token mismatch at token 12"
+    assert out.reason == "token mismatch at token 12 of 30 (the text matches; file id 63, prompt id 13)"
     stored[3] = 63
     put(tmp_path, stored, text=text_of(prompt[:30]))
     out = lookup(open_store(tmp_path), prompt)
-    assert not out.hit and out.reason.startswith("token mismatch at token 3, under the minimum")
+    assert not out.hit and out.reason == (
+        "token mismatch at token 3 of 30 (the text matches; file id 63, prompt id 4), under the minimum 8"
+    )
 
 
 def corrupt_payload(path: Path) -> None:
