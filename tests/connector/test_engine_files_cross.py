@@ -40,7 +40,7 @@ from ds4_vllm.kvc import open_checkpoint, text_sha1
 from ds4_vllm.model.kv_layout import frontier_tokens
 from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, shutdown_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 #: DS4_ENGINE_TESTDATA points at another copy of the engine files (e.g. one with a file restored).

@@ -27,7 +27,7 @@ import pytest
 
 from tests.model.memory_probe import parse_probe_output
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 PEAK_OVER_FILE_LIMIT = 1.3
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -32,7 +32,7 @@ from tests.model.engine_helpers import (
     shutdown_engine,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 CHECKPOINTS = ["official", "gguf-q2", "gguf-q4"]
 PROMPT_LENGTHS = [2600]
