@@ -49,6 +49,7 @@ from ds4_vllm.chat.render import (
 )
 
 from .request_body import RawRequest, Route, current_raw_request
+from .request_checks import check_tool_history
 from .token_memory import configure_text_reuse
 from .tokenizer import Ds4HfTokenizer
 from .tool_replay import ToolReplay
@@ -183,6 +184,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         try:
             if raw is not None and raw.route in _RENDERERS:
                 body = with_vllm_thinking(raw.route, self._parse_body(raw), kwargs)
+                check_tool_history(raw.route, body)
                 rendered = _RENDERERS[raw.route](body, ctx_size=self.ctx_size, replay=self.replay)
                 if describes(rendered, messages):
                     return rendered

@@ -21,6 +21,7 @@ import pytest
 
 from ds4_vllm.kvc import open_checkpoint
 from tests.e2e.server_process import ServerProcess
+from tests.serving.forced_dsml import regex_for
 
 pytestmark = pytest.mark.slow
 needs_ds4_renderer = pytest.mark.skipif(
@@ -55,12 +56,6 @@ TOOLS = [
 SYSTEM = "You are a careful coding agent. " * 12
 
 
-def _regex_for(text: str) -> str:
-    """A regex matching exactly `text`."""
-    special = set(".^$*+?()[]{}|\\/")
-    return "".join("\\n" if c == "\n" else ("\\" + c if c in special else c) for c in text)
-
-
 def _serve(disk: Path, log: Path) -> ServerProcess:
     args = [
         "--model", "ds4", "--max-model-len", "4096",
@@ -86,7 +81,7 @@ def test_sampled_calls_get_ids_that_the_checkpoints_already_map(tmp_path: Path) 
     disk = tmp_path / "kv"
     forced = {
         "chat_template_kwargs": {"thinking": False},
-        "structured_outputs": {"regex": _regex_for(SAMPLED_BLOCK)},
+        "structured_outputs": {"regex": regex_for(SAMPLED_BLOCK)},
     }
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write the notes file."}]
     server = _serve(disk, tmp_path / "serve-1.log")
@@ -139,7 +134,7 @@ def test_replay_survives_a_restart_and_a_reordered_client(tmp_path: Path) -> Non
             messages=messages,
             tools=TOOLS,
             max_tokens=200,
-            extra_body={**no_thinking, "structured_outputs": {"regex": _regex_for(SAMPLED_BLOCK)}},
+            extra_body={**no_thinking, "structured_outputs": {"regex": regex_for(SAMPLED_BLOCK)}},
         )
     finally:
         server.stop()
