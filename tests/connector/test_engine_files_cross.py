@@ -430,6 +430,8 @@ def section_errors(engine_path: Path, ours_path: Path) -> dict[str, float]:
         a, b = eng.payload, ours.payload
         assert [int(t) for t in b.tokens] == [int(t) for t in a.tokens]
         assert (b.n_comp, b.n_index_comp) == (a.n_comp, a.n_index_comp)
+        # Checkpoints written while serving a GGUF carry its routed experts' quant bits (2 or 4).
+        assert ours.header.quant_bits == eng.header.quant_bits
         n_tokens = a.header.n_tokens
         keep("logits", rel(np.asarray(a.logits, np.float64), np.asarray(b.logits, np.float64)))
         keep("argmax_differs", int(np.argmax(a.logits) != np.argmax(b.logits)))
