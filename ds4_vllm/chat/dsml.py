@@ -35,7 +35,7 @@ import dataclasses
 import json
 import re
 
-from .json_text import minify
+from .json_text import json_string, minify
 from .tokenizer import THINK_END, THINK_START
 
 #: The three block spellings: (tool_calls open, close, invoke open, close, parameter open, close).
@@ -186,32 +186,12 @@ def _json_value(raw: str) -> str:
     try:
         json.loads(stripped)
     except ValueError:
-        return _json_string(raw)
+        return json_string(raw)
     return minify(stripped)
 
 
-def _json_string(s: str) -> str:
-    """The engine's JSON string writer: only `"`, `\\` and control characters are escaped."""
-    out = ['"']
-    for c in s:
-        if c == '"' or c == "\\":
-            out.append("\\" + c)
-        elif c == "\n":
-            out.append("\\n")
-        elif c == "\r":
-            out.append("\\r")
-        elif c == "\t":
-            out.append("\\t")
-        elif c < " ":
-            out.append(f"\\u{ord(c):04x}")
-        else:
-            out.append(c)
-    out.append('"')
-    return "".join(out)
-
-
 def _member(name: str, value: str, is_string: bool) -> str:
-    return _json_string(name) + ":" + (_json_string(value) if is_string else _json_value(value))
+    return json_string(name) + ":" + (json_string(value) if is_string else _json_value(value))
 
 
 def _leaf(text: str, pos: int, param_open: str, param_close: str) -> tuple[str, int]:
@@ -264,7 +244,7 @@ def _parse_block(
                 raise DsmlError(f"offset {pos}: parameter of {name!r} without a name")
             if _attr(tag, "string") is None and text.startswith(param_open, _skip_space(text, value_start)):
                 nested, pos = _nested_object(text, value_start, param_open, param_close)
-                members.append(_json_string(param) + ":" + nested)
+                members.append(json_string(param) + ":" + nested)
                 pos = _skip_space(text, pos)
                 if text.startswith(param_close, pos):
                     pos += len(param_close)

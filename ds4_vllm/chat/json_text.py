@@ -229,3 +229,23 @@ def _read_array(text: str, start: int, depth: int, build: bool) -> tuple[Any, in
     if arr is not None:
         arr.raw = text[start:pos]
     return arr, pos
+
+
+def json_string(s: str) -> str:
+    """The engine's JSON string writer: only `"`, `\\` and control characters are escaped."""
+    out = ['"']
+    for c in s:
+        if c == '"' or c == "\\":
+            out.append("\\" + c)
+        elif c == "\n":
+            out.append("\\n")
+        elif c == "\r":
+            out.append("\\r")
+        elif c == "\t":
+            out.append("\\t")
+        elif c < " ":
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    out.append('"')
+    return "".join(out)

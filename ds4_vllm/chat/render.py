@@ -25,7 +25,16 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .json_text import JsonTextError, minify, parse_json, raw_text, read_string, skip_space, skip_value
+from .json_text import (
+    JsonTextError,
+    json_string,
+    minify,
+    parse_json,
+    raw_text,
+    read_string,
+    skip_space,
+    skip_value,
+)
 from .tokenizer import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER
 
 #: Returns the exact sampled DSML block for a tool-call id, or None when unknown.
@@ -261,23 +270,8 @@ def json_content(value: Any, path: str) -> str:
 
 
 def json_escape(s: str) -> str:
-    """The engine's JSON string writer: only `"`, `\\` and control characters are escaped."""
-    out = ['"']
-    for c in _cstr(s):
-        if c == '"' or c == "\\":
-            out.append("\\" + c)
-        elif c == "\n":
-            out.append("\\n")
-        elif c == "\r":
-            out.append("\\r")
-        elif c == "\t":
-            out.append("\\t")
-        elif c < " ":
-            out.append(f"\\u{ord(c):04x}")
-        else:
-            out.append(c)
-    out.append('"')
-    return "".join(out)
+    """The engine's JSON string writer over its C string (text after a NUL is gone)."""
+    return json_string(_cstr(s))
 
 
 # -- tools --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ds4_vllm.serving.kv_cache_route import serving_cache_state
+from ds4_vllm.serving.request_body import post_path
 from ds4_vllm.serving.request_outputs import DISK_TOKENS_PARAM, RequestRecorder, recording
 from ds4_vllm.serving.usage import USAGE_REWRITES, CacheUsage, EngineCounts
 
@@ -56,13 +57,8 @@ class Ds4UsageMiddleware:
 
 
 def _usage_rewrite(scope: Scope) -> UsageRewrite | None:
-    if scope.get("type") != "http" or scope.get("method") != "POST":
-        return None
-    path = scope.get("path", "")
-    root = scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    return USAGE_REWRITES.get(path.rstrip("/"))
+    path = post_path(scope)
+    return None if path is None else USAGE_REWRITES.get(path)
 
 
 class UsageResponse:

@@ -77,15 +77,21 @@ def current_raw_request() -> RawRequest | None:
     return RAW_REQUEST.get()
 
 
-def route_for(scope: Scope) -> Route | None:
-    """The ds4 route of an ASGI scope (POST only; the app's root_path is not part of the route)."""
+def post_path(scope: Scope) -> str | None:
+    """The path of an HTTP POST without the app's root_path and trailing slash; None otherwise."""
     if scope.get("type") != "http" or scope.get("method") != "POST":
         return None
     path = scope.get("path", "")
     root = scope.get("root_path", "")
     if root and path.startswith(root):
         path = path[len(root) :]
-    return ROUTES.get(path.rstrip("/") or "/")
+    return path.rstrip("/") or "/"
+
+
+def route_for(scope: Scope) -> Route | None:
+    """The ds4 route of an ASGI scope (POST only; the app's root_path is not part of the route)."""
+    path = post_path(scope)
+    return None if path is None else ROUTES.get(path)
 
 
 async def read_body(receive: Receive) -> bytes:
