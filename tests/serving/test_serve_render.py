@@ -311,7 +311,9 @@ def test_anthropic_prompt_is_the_engines(server, anthropic_client, captured) -> 
     assert rendered.status_code == 200, rendered.text
     assert_prompt(rendered.json()["token_ids"], expected)
     n_ids = len(default_tokenizer().encode(expected.text))
-    assert reply.usage.input_tokens == n_ids
+    # ds4's Anthropic usage (spec §7.2): input = P - read - creation, so the prompt is their sum.
+    usage = reply.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == n_ids
     assert (
         anthropic_client.messages.count_tokens(
             **{k: v for k, v in request.items() if k != "max_tokens"}
