@@ -87,26 +87,27 @@ def _details(usage: dict[str, Any], key: str, cache: CacheUsage) -> dict[str, An
     return details
 
 
-def openai_usage(usage: dict[str, Any], engine: EngineCounts | None) -> tuple[dict[str, Any], CacheUsage]:
-    """`/v1/chat/completions` and `/v1/completions` usage with the cache fields."""
-    prompt = _int(usage.get("prompt_tokens"))
-    cached = engine.cached_tokens if engine is not None else _cached(usage.get("prompt_tokens_details"))
+def _with_cache_fields(
+    usage: dict[str, Any], engine: EngineCounts | None, prompt_key: str, details_key: str
+) -> tuple[dict[str, Any], CacheUsage]:
+    """OpenAI-style usage (prompt count under `prompt_key`, cached count in `details_key`)."""
+    prompt = _int(usage.get(prompt_key))
+    cached = engine.cached_tokens if engine is not None else _cached(usage.get(details_key))
     cache = CacheUsage.of(prompt, cached, engine.disk_tokens if engine is not None else 0)
     out = dict(usage)
-    out["prompt_tokens_details"] = _details(usage, "prompt_tokens_details", cache)
+    out[details_key] = _details(usage, details_key, cache)
     out.update(cache.fields())
     return out, cache
+
+
+def openai_usage(usage: dict[str, Any], engine: EngineCounts | None) -> tuple[dict[str, Any], CacheUsage]:
+    """`/v1/chat/completions` and `/v1/completions` usage with the cache fields."""
+    return _with_cache_fields(usage, engine, "prompt_tokens", "prompt_tokens_details")
 
 
 def responses_usage(usage: dict[str, Any], engine: EngineCounts | None) -> tuple[dict[str, Any], CacheUsage]:
     """`/v1/responses` usage (`input_tokens`) with the cache fields."""
-    prompt = _int(usage.get("input_tokens"))
-    cached = engine.cached_tokens if engine is not None else _cached(usage.get("input_tokens_details"))
-    cache = CacheUsage.of(prompt, cached, engine.disk_tokens if engine is not None else 0)
-    out = dict(usage)
-    out["input_tokens_details"] = _details(usage, "input_tokens_details", cache)
-    out.update(cache.fields())
-    return out, cache
+    return _with_cache_fields(usage, engine, "input_tokens", "input_tokens_details")
 
 
 def anthropic_usage(usage: dict[str, Any], engine: EngineCounts | None) -> tuple[dict[str, Any], CacheUsage]:
