@@ -34,6 +34,9 @@ def base_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.pop("RAY_ADDRESS", None)
+    # Ray's memory monitor kills workers when the machine (not Ray) is short of memory; on a
+    # shared test machine other users' processes set that off and it killed Serve's controller.
+    env["RAY_memory_monitor_refresh_ms"] = "0"
     return env
 
 

@@ -38,7 +38,7 @@ ENGINE = {
     "enforce_eager": True,
     "max_model_len": 8192,
     "max_num_batched_tokens": 4096,
-    "kv_cache_memory_bytes": 1 << 30,
+    "kv_cache_memory_bytes": 512 << 20,
     "seed": 0,
 }
 MAX_TOKENS = 8
