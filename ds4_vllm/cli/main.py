@@ -27,6 +27,9 @@ def usage() -> str:
         "Runs `vllm serve` after rewriting ds4's conveniences: MODEL `ds4` is the embedded default\n"
         "model; the ds4 cache flags (docs/connector.md) become --kv-transfer-config for\n"
         "--kv-connector NAME (ds4disk when not given). `ds4-vllm serve --help` shows vLLM's flags.\n\n"
+        "       ds4-vllm ray-serve [MODEL] --replicas N --kv-disk-dir DIR|s3://BUCKET/PREFIX [ds4 cache flags]\n\n"
+        "Deploys ds4 as a Ray Serve LLM app on an existing Ray cluster (docs/ray.md);\n"
+        "`ds4-vllm ray-serve --help` shows its options.\n\n"
         f"ds4 cache flags:\n{flags}\n"
     )
 
@@ -34,6 +37,11 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `ds4-vllm` console script."""
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["ray-serve"]:
+        from ds4_vllm.cli.ray_serve import main as ray_serve_main
+
+        ray_serve_main(args[1:])
+        return
     if args[:1] != ["serve"]:
         asked_for_help = args[:1] in (["-h"], ["--help"])
         (sys.stdout if asked_for_help else sys.stderr).write(usage())

@@ -42,6 +42,7 @@ from .catalog import Catalog, LogOnce, agreement_outcome
 from .eviction import MIB
 from .fs import CheckpointFS, open_fs
 from .janitor import Janitor
+from .leases import LeaseBook
 from .model_identity import claim_directory
 from .options import StoreConfigError, StoreOptions, flag_names
 from .pending import PendingFiles
@@ -53,9 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: ds4 refuses a file whose size plus 1 % exceeds the budget (spec §5.5).
 BUDGET_HEADROOM = 1.01
-#: Without a directory mtime change, re-stat the directory at most this often: touches by
-#: other servers (hit counts) only matter to eviction, which always refreshes first.
-DEFAULT_REFRESH_INTERVAL_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +84,11 @@ class CheckpointStore:
     Call `open()` once before use; it creates the directory, removes stale temp files and
     runs the start-up eviction pass. `model_dims`, when given, rejects files written for a
     different model shape (a miss; the file is left for whoever owns it).
+
+    Several servers may share the directory or bucket (docs/ray.md): each one re-lists it at a
+    lookup once `refresh_interval_s` (default `--kv-cache-rescan-ms`) has passed, each one
+    evicts to the shared budget, and none evicts a file that any of them holds a load lease on
+    (`leases.py`).
     """
 
     def __init__(
@@ -95,7 +98,7 @@ class CheckpointStore:
         clock: Callable[[], float] = time.time,
         fs: CheckpointFS | None = None,
         model_dims: ModelDims | None = None,
-        refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
+        refresh_interval_s: float | None = None,
         fsync: bool = True,
         model_fingerprint: str | None = None,
     ) -> None:
@@ -109,12 +112,15 @@ class CheckpointStore:
         self._catalog = Catalog(
             self.fs,
             model_dims=model_dims,
-            refresh_interval_s=refresh_interval_s,
+            refresh_interval_s=(
+                options.rescan_ms / 1000 if refresh_interval_s is None else refresh_interval_s
+            ),
             log_once=self._log_once,
             stats=self._stats,
         )
         self._pending = PendingFiles()
         self._janitor = Janitor(self.fs, self._log_once)
+        self._leases = LeaseBook(self.fs, options.lease_s, clock=clock)
         self._writer = CheckpointWriter(self.fs, model_dims)  # for the synchronous `store` only
 
     # ------------------------------------------------------------------ set-up
@@ -204,11 +210,22 @@ class CheckpointStore:
         return found if found is not None else fallback
 
     def pin(self, path: str) -> None:
-        """Keep `path` from eviction and nested-file removal until `unpin` (a load is pending)."""
+        """Keep `path` from eviction and nested-file removal until `unpin` (a load is pending).
+
+        The pin is also a lease (`leases.py`), so the other servers of a shared store keep it too.
+        """
         self._pending.pin(path)
+        self._leases.acquire(path)
 
     def unpin(self, path: str) -> None:
         self._pending.unpin(path)
+        self._leases.release(path)
+
+    def _kept_paths(self, entries: Iterable[IndexEntry]) -> frozenset[str]:
+        """Paths no deletion may touch: this server's pins and every server's leased files."""
+        leased = self._leases.leased()
+        by_name = {str(e.path) for e in entries if e.path.name in leased}
+        return self._pending.pinned | by_name | {self.fs.path_of(name[:40]) for name in leased}
 
     def finish_load(self, outcome: LookupOutcome, report: LoadReport, *, load_seconds: float = 0.0) -> None:
         """Count a load the worker ended; touch the file on success, quarantine it when corrupt.
@@ -333,7 +350,10 @@ class CheckpointStore:
         ticket = pending.ticket
         reason = SaveReason(ticket.reason)
         nested = self._janitor.remove_nested(
-            ticket.conversation_key, pending.text, report.path, self._pending.pinned
+            ticket.conversation_key,
+            pending.text,
+            report.path,
+            self._kept_paths(self._catalog.entries(refresh=False)),
         )
         self._stats.files_deduplicated += len(nested)
         self._janitor.remember(ticket.conversation_key, report.path, ticket.sha1, ticket.text_bytes, reason)
@@ -421,7 +441,7 @@ class CheckpointStore:
             entries,
             self.options.budget_bytes,
             self._clock(),
-            pinned=self._pending.pinned,
+            pinned=self._kept_paths(entries),
             reserved_bytes=self._reserved_bytes(entries) + extra,
             protected=protected,
         )

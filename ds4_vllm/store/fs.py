@@ -39,6 +39,8 @@ from .options import is_local_dir, local_path
 
 #: Sub-folder for files that failed validation; scans only look at `<sha1>.kv` in the top level.
 QUARANTINE_DIR = "quarantine"
+#: Sub-folder of load-lease markers (empty files whose names say who holds which file until when).
+LEASE_DIR = "leases"
 
 
 class CheckpointFS(Protocol):
@@ -77,6 +79,15 @@ class CheckpointFS(Protocol):
         """A small non-checkpoint file of the directory (the model marker), None when absent."""
 
     def write_small(self, name: str, data: bytes) -> None: ...
+
+    def put_marker(self, name: str) -> None:
+        """Create the empty file `leases/<name>`."""
+
+    def list_markers(self) -> list[str]:
+        """Names of the files under `leases/` ([] when there is none)."""
+
+    def remove_marker(self, name: str) -> None:
+        """Delete `leases/<name>`; a missing one is not an error."""
 
 
 class LocalFS:
@@ -151,11 +162,30 @@ class LocalFS:
         tmp.write_bytes(data)
         os.replace(tmp, self.directory / name)
 
+    def put_marker(self, name: str) -> None:
+        folder = self.directory / LEASE_DIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.close(os.open(folder / name, os.O_WRONLY | os.O_CREAT, 0o600))
+
+    def list_markers(self) -> list[str]:
+        try:
+            return os.listdir(self.directory / LEASE_DIR)
+        except FileNotFoundError:
+            return []
+
+    def remove_marker(self, name: str) -> None:
+        try:
+            os.unlink(self.directory / LEASE_DIR / name)
+        except FileNotFoundError:
+            pass
+
 
 class FsspecIndex(CheckpointIndex):
     """`CheckpointIndex` over an fsspec filesystem: same entries and lookup, listing via `fs.ls`.
 
-    Files are re-read when their listed size or timestamp changes.
+    Files are re-read when their listed size or timestamp changes. Every refresh drops the
+    filesystem's listing cache first: s3fs keeps listings forever by default, and files other
+    servers wrote would never show up.
     """
 
     def __init__(self, fs: Any, root: str) -> None:
@@ -167,6 +197,7 @@ class FsspecIndex(CheckpointIndex):
         from ds4_vllm.kvc import RefreshStats
 
         added = changed = invalid = 0
+        self._fs.invalidate_cache(self._root)
         try:
             listing = self._fs.ls(self._root, detail=True)
         except FileNotFoundError:
@@ -208,13 +239,19 @@ class FsspecIndex(CheckpointIndex):
 
 
 class FsspecFS:
-    """Any fsspec URL; see the module docstring for the trade-offs."""
+    """Any fsspec URL; see the module docstring for the trade-offs.
 
-    def __init__(self, url: str) -> None:
+    Credentials and endpoint come from the backend's usual sources: for `s3://`, the
+    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_ENDPOINT_URL / AWS_DEFAULT_REGION environment
+    variables (or ~/.aws), and fsspec's own `FSSPEC_S3_<OPTION>` variables. `storage_options`
+    go to the filesystem as keyword arguments (tests use them).
+    """
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
         import fsspec  # only remote stores need it
 
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = self.root.rstrip("/") or "/"
 
     def _join(self, name: str) -> str:
@@ -283,6 +320,24 @@ class FsspecFS:
 
     def write_small(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self._join(name), data)
+
+    def put_marker(self, name: str) -> None:
+        self.fs.pipe_file(self._join(f"{LEASE_DIR}/{name}"), b"")
+
+    def list_markers(self) -> list[str]:
+        folder = self._join(LEASE_DIR)
+        self.fs.invalidate_cache(folder)
+        try:
+            names = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            return []
+        return [str(n).rstrip("/").rsplit("/", 1)[-1] for n in names]
+
+    def remove_marker(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self._join(f"{LEASE_DIR}/{name}"))
+        except FileNotFoundError:
+            pass
 
 
 def open_fs(url: str, *, fsync: bool = True) -> CheckpointFS:

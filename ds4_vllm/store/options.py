@@ -40,6 +40,15 @@ DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
 #: the writer falls this far behind, engine steps wait for it (back-pressure) instead of
 #: dropping saves. ds4-vllm's own flag (ds4 writes synchronously), spelled like ds4's.
 DEFAULT_WRITE_QUEUE_MB = 1024
+#: How stale a replica's view of a shared store may be: the index is re-listed at a lookup when
+#: this long has passed since the last listing (a local directory is also re-read as soon as its
+#: mtime changes). So a file another replica wrote is found by every lookup that starts at least
+#: this long after the file landed. 0 re-lists at every lookup (tests; costly on object stores).
+DEFAULT_RESCAN_MS = 2000
+#: How long a load lease protects a file from every replica's eviction (leases.py). Must exceed
+#: the longest time from choosing a file to the end of its load; a lease of a replica that died
+#: only delays that file's eviction by this long.
+DEFAULT_LEASE_S = 600
 #: DS4_TOOL_MEMORY_DEFAULT_MAX_IDS: tool-call ids remembered for exact replay (least recently used
 #: go first); trailers with more than 4x this many entries are ignored when read.
 DEFAULT_TOOL_MEMORY_MAX_IDS = 100_000
@@ -95,6 +104,8 @@ class StoreOptions:
     shared_models: bool = False
     trace: str | None = None
     tool_memory_max_ids: int = DEFAULT_TOOL_MEMORY_MAX_IDS
+    rescan_ms: int = DEFAULT_RESCAN_MS
+    lease_s: int = DEFAULT_LEASE_S
 
     @property
     def budget_bytes(self) -> int:
@@ -249,6 +260,8 @@ SETTINGS: dict[str, Setting] = {
     "kv_cache_shared_models": Setting("shared_models", bool),
     "trace": Setting("trace", str, optional=True),
     "tool_memory_max_ids": Setting("tool_memory_max_ids", int, minimum=1),
+    "kv_cache_rescan_ms": Setting("rescan_ms", int),
+    "kv_cache_lease_s": Setting("lease_s", int, minimum=1),
 }
 
 #: ds4 settings this plugin does not implement yet, with why: named clearly instead of "unknown".
