@@ -326,11 +326,17 @@ def lookup_cost(
             times.append(time.perf_counter() - t0)
         if not (first.hit and outcome.hit):
             raise RuntimeError(f"lookup with {count} files missed: {outcome}")
+        rescans = []
+        for _ in range(REPEATS):  # what a lookup also pays every refresh interval (2 s): a rescan
+            t0 = time.perf_counter()
+            store.entries()  # forced directory refresh, nothing changed
+            rescans.append(time.perf_counter() - t0)
         row = {
             "entries": count,
             "median_ms": 1000 * statistics.median(times),
             "p90_ms": 1000 * float(np.percentile(times, 90)),
             "first_lookup_ms": 1000 * first_s,
+            "rescan_ms": 1000 * statistics.median(rescans),
             "hit_tokens": outcome.agreed_tokens,
             "prompt_tokens": prompt_tokens,
             "calls": calls,
@@ -338,7 +344,7 @@ def lookup_cost(
         }
         print(
             f"(b) {count} entries: lookup median {row['median_ms']:.3f} ms, p90 {row['p90_ms']:.3f} ms, "
-            f"first (reads the directory) {row['first_lookup_ms']:.1f} ms",
+            f"first after open {row['first_lookup_ms']:.1f} ms, rescan {row['rescan_ms']:.1f} ms",
             flush=True,
         )
         rows.append(row)
@@ -497,6 +503,12 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     rows = results["lookup"]
     ax.plot([r["entries"] for r in rows], [r["median_ms"] for r in rows], "o-", label="median")
     ax.plot([r["entries"] for r in rows], [r["p90_ms"] for r in rows], "x--", label="p90")
+    ax.plot(
+        [r["entries"] for r in rows],
+        [r["rescan_ms"] for r in rows],
+        "s:",
+        label="directory rescan (every 2 s)",
+    )
     ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="1 ms")
     ax.set(xscale="log", yscale="log", xlabel="checkpoint files in the store", ylabel="ms per lookup")
     ax.set_title("scheduler lookup cost")
@@ -508,7 +520,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 
 
 def tables(results: dict[str, Any]) -> str:
-    parts = []
+    parts: list[str] = []
     rows = [
         [
             r["model"],
@@ -524,30 +536,35 @@ def tables(results: dict[str, Any]) -> str:
         for model_rows in results["throughput"].values()
         for r in model_rows
     ]
-    parts.append(
-        print_table(
-            "(a) kvc save/restore vs sequential write/read (page cache dropped, median of 3)",
-            [
-                "model",
-                "tokens",
-                "MiB",
-                "save s",
-                "write s",
-                "save/write",
-                "restore s",
-                "read s",
-                "restore/read",
-            ],
-            rows,
+    if rows:
+        parts.append(
+            print_table(
+                "(a) kvc save/restore vs sequential write/read (page cache dropped, median of 3)",
+                [
+                    "model",
+                    "tokens",
+                    "MiB",
+                    "save s",
+                    "write s",
+                    "save/write",
+                    "restore s",
+                    "read s",
+                    "restore/read",
+                ],
+                rows,
+            )
         )
-    )
-    parts.append(
-        print_table(
-            "(b) CheckpointStore.lookup",
-            ["files", "median ms", "p90 ms", "first lookup ms"],
-            [[r["entries"], r["median_ms"], r["p90_ms"], r["first_lookup_ms"]] for r in results["lookup"]],
+    if results["lookup"]:
+        parts.append(
+            print_table(
+                "(b) CheckpointStore.lookup",
+                ["files", "median ms", "p90 ms", "first lookup after open ms", "rescan ms (every 2 s)"],
+                [
+                    [r["entries"], r["median_ms"], r["p90_ms"], r["first_lookup_ms"], r["rescan_ms"]]
+                    for r in results["lookup"]
+                ],
+            )
         )
-    )
     c = results.get("restart")
     if c:
         parts.append(
@@ -582,66 +599,90 @@ def _slice_config() -> Any:
     return slice_config()
 
 
+PARTS = ("throughput", "lookup", "restart")
+
+
 def run(
     results_dir: Path,
     quick: bool,
     *,
+    parts: Sequence[str] = PARTS,
     lookup_counts: Sequence[int] = LOOKUP_COUNTS,
-    restart: bool = True,
+    restart_model: str | None = None,
+    restart_length: int | None = None,
+    name: str = "micro",
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run (a), (b) and, unless `restart=False`, (c); write micro.json and micro.png to `results_dir`.
+    """Run the `parts` of (a) throughput, (b) lookup, (c) restart; write <name>.json and .png.
 
     quick: (a) at 2k and 8k, (c) on the default model at 2k; full: (a) at 2k-128k, (c) on the
-    slice model at 32k. Returns the results (also the JSON's content).
+    slice model at 32k. `restart_model` ("ds4", "slice", "slice:N" for N routed experts, or a model
+    path) and `restart_length` override (c).
+    Returns the results (also the JSON's content).
     """
     from ds4_vllm.model.default_model import default_config
 
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; known: {PARTS}")
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
+    restart_model = restart_model or ("ds4" if quick else "slice")
     args = argparse.Namespace(
-        restart_length=2048 if quick else 32768, phase_timeout=600 if quick else 4 * 3600
+        restart_length=restart_length or (2048 if quick else 32768),
+        phase_timeout=600 if quick else 4 * 3600,
     )
     started = time.perf_counter()
-    info = machine_info()
     results: dict[str, Any] = {
         "benchmark": "micro",
         "quick": quick,
-        "machine": info,
+        "machine": machine_info(),
         "page_cache": page_cache_control(),
+        "throughput": {},
+        "lookup": [],
     }
     lengths = QUICK_LENGTHS if quick else FULL_LENGTHS
     with tempfile.TemporaryDirectory(prefix="ds4-micro-", dir=os.environ.get("DS4_BENCH_TMP")) as tmp:
         work = Path(tmp)
-        progress("(a) checkpoint save/restore throughput")
-        results["throughput"] = {
-            "ds4": checkpoint_throughput("ds4", dims_of(default_config()), lengths, work),
-            "slice": checkpoint_throughput("slice", dims_of(_slice_config()), lengths, work),
-        }
-        progress("(b) lookup cost")
-        results["lookup"] = lookup_cost(lookup_counts, work)
-        if restart:
-            if quick:
-                model, label = "ds4", "ds4 (default)"
-            else:
-                from slice_model import make_slice_model
+        if "throughput" in parts:
+            progress("(a) checkpoint save/restore throughput")
+            results["throughput"] = {
+                "ds4": checkpoint_throughput("ds4", dims_of(default_config()), lengths, work),
+                "slice": checkpoint_throughput("slice", dims_of(_slice_config()), lengths, work),
+            }
+        if "lookup" in parts:
+            progress("(b) lookup cost")
+            results["lookup"] = lookup_cost(lookup_counts, work, calls=50 if quick else 200)
+        if "restart" in parts:
+            if restart_model.startswith("slice"):  # "slice", or "slice:16" for 16 routed experts
+                from slice_model import make_slice_model, slice_config
 
-                model, label = str(make_slice_model()), "slice"
+                experts = int(restart_model.partition(":")[2] or 256)
+                model = str(make_slice_model(config=slice_config(n_routed_experts=experts)))
+                label = "slice" if experts == 256 else f"slice with {experts} routed experts"
+            else:
+                model, label = restart_model, restart_model
             progress(f"(c) restart restore ({label}, {args.restart_length} tokens)")
             results["restart"] = restart_restore(args, model, label, work)
     results["load_average_end"] = os.getloadavg()
     results["wall_s"] = time.perf_counter() - started
     results["table_markdown"] = tables(results)
-    (results_dir / "micro.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, results_dir / "micro.png")
-    progress(f"wrote {results_dir / 'micro.json'} and micro.png")
+    (results_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    if results["throughput"] and results["lookup"]:
+        plot(results, results_dir / f"{name}.png")
+    progress(f"wrote {results_dir / name}.json")
     return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2k/8k, restart on the default model at 2k")
-    ap.add_argument("--no-restart", action="store_true", help="skip (c)")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
+    ap.add_argument(
+        "--restart-model", help='model of (c): "ds4", "slice", "slice:N" (N routed experts), a path'
+    )
+    ap.add_argument("--restart-length", type=int, help="prompt tokens of (c)")
+    ap.add_argument("--name", default="micro", help="result file name (<name>.json, <name>.png)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR / time.strftime("%Y-%m-%d"))
     # internal: one engine phase of (c) in this process
     ap.add_argument("--phase", choices=["cold", "restored"], help=argparse.SUPPRESS)
@@ -654,7 +695,14 @@ def main() -> None:
     if args.phase:
         Path(args.result_file).write_text(json.dumps(phase(args)))
         return
-    run(args.results_dir, args.quick, restart=not args.no_restart)
+    run(
+        args.results_dir,
+        args.quick,
+        parts=args.parts,
+        restart_model=args.restart_model,
+        restart_length=args.restart_length,
+        name=args.name,
+    )
 
 
 if __name__ == "__main__":
