@@ -60,7 +60,7 @@ from ds4_vllm.model.tiny_gguf import (  # noqa: E402
 #: Bump when the recipe changes: the content hash (file name) changes with it.
 SLICE_RECIPE_VERSION = "slice-v1"
 SLICE_SEED = 20261211
-SLICE_QUANT = "q2"  # ds4's q2 recipe: IQ2_XXS gate/up, Q2_K down
+SLICE_QUANT = "q2"  # ds4's q2 recipe: IQ2_XXS gate/up, Q2_K down ("q4": Q4_K, ds4's q4 files)
 #: DeepSeek V4 Flash's first four layers: ratios 0, 0, 4, 128; hash routing on layers 0-2.
 SLICE_LAYERS = 4
 SLICE_HASH_LAYERS = 3
@@ -136,20 +136,20 @@ def slice_config(n_routed_experts: int = 256, num_layers: int = SLICE_LAYERS, **
     return Ds4Config(**fields)
 
 
-def recipe(config: Ds4Config, expert_stacks: int, seed: int) -> dict[str, Any]:
+def recipe(config: Ds4Config, expert_stacks: int, seed: int, quant: str = SLICE_QUANT) -> dict[str, Any]:
     """Everything the file's bytes depend on (its hash names the cached file)."""
     return {
         "version": SLICE_RECIPE_VERSION,
         "seed": seed,
-        "quant": SLICE_QUANT,
+        "quant": quant,
         "expert_stacks": expert_stacks,
         "gguf": gguf.__name__ + " " + getattr(gguf, "__version__", ""),
         "config": json.loads(config.to_json_string(use_diff=False)),
     }
 
 
-def recipe_digest(config: Ds4Config, expert_stacks: int, seed: int) -> str:
-    text = json.dumps(recipe(config, expert_stacks, seed), sort_keys=True, default=str)
+def recipe_digest(config: Ds4Config, expert_stacks: int, seed: int, quant: str = SLICE_QUANT) -> str:
+    text = json.dumps(recipe(config, expert_stacks, seed, quant), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -203,7 +203,12 @@ def _row_chunks(shape: tuple[int, ...]) -> Iterator[int]:
 
 
 def write_slice_gguf(
-    path: str | os.PathLike[str], config: Ds4Config, *, expert_stacks: int = 1, seed: int = SLICE_SEED
+    path: str | os.PathLike[str],
+    config: Ds4Config,
+    *,
+    expert_stacks: int = 1,
+    seed: int = SLICE_SEED,
+    quant: str = SLICE_QUANT,
 ) -> Path:
     """Write the slice GGUF for `config` to `path` (streamed; a few hundred MB of transient memory).
 
@@ -214,7 +219,9 @@ def write_slice_gguf(
     path = Path(path)
     dims = Ds4GgufDims.from_config(config)
     layout = ds4_tensor_layout(dims)
-    gate_up_type, down_type = EXPERT_TYPES[SLICE_QUANT]
+    if quant not in EXPERT_TYPES:
+        raise ValueError(f"quant must be one of {sorted(EXPERT_TYPES)}, got {quant!r}")
+    gate_up_type, down_type = EXPERT_TYPES[quant]
     aliases: dict[str, str] = {}
     for spec in layout:
         if ".ffn_" in spec.gguf_name and "_exps." in spec.gguf_name:
@@ -308,9 +315,11 @@ def _tensor_chunks(
         yield values.astype(dtype, copy=False)
 
 
-def slice_model_path(dest: Path, config: Ds4Config, expert_stacks: int = 1, seed: int = SLICE_SEED) -> Path:
+def slice_model_path(
+    dest: Path, config: Ds4Config, expert_stacks: int = 1, seed: int = SLICE_SEED, quant: str = SLICE_QUANT
+) -> Path:
     """Where the slice for these inputs lives under `dest`; nothing is written."""
-    return Path(dest) / f"ds4-slice-{recipe_digest(config, expert_stacks, seed)}.gguf"
+    return Path(dest) / f"ds4-slice-{recipe_digest(config, expert_stacks, seed, quant)}.gguf"
 
 
 def make_slice_model(
@@ -319,22 +328,24 @@ def make_slice_model(
     config: Ds4Config | None = None,
     expert_stacks: int = 1,
     seed: int = SLICE_SEED,
+    quant: str = SLICE_QUANT,
 ) -> Path:
     """The slice GGUF under `dest` (default `$DS4_VLLM_CACHE/models/`), written once per recipe.
 
     The file name carries the hash of everything its bytes depend on (`recipe`), so a cached file
-    is reused only when it would be byte-identical; written to a temp file and renamed.
+    is reused only when it would be byte-identical; written to a temp file and renamed. `quant`
+    "q4" writes Q4_K routed experts (ds4's q4 files; 3.6 GB per stack instead of 1.8).
     """
     config = config or slice_config()
     dest = Path(dest) if dest is not None else cache_root() / "models"
-    final = slice_model_path(dest, config, expert_stacks, seed)
+    final = slice_model_path(dest, config, expert_stacks, seed, quant)
     if final.is_file():
         return final
     dest.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=dest)
     os.close(fd)
     try:
-        write_slice_gguf(tmp, config, expert_stacks=expert_stacks, seed=seed)
+        write_slice_gguf(tmp, config, expert_stacks=expert_stacks, seed=seed, quant=quant)
         os.chmod(tmp, 0o644)
         os.replace(tmp, final)
     finally:

@@ -168,3 +168,14 @@ def test_throughput_rows_measure_the_checkpoint_file_size(tmp_path):
     expected = checkpoint_file_size(600 * micro.TEXT_BYTES_PER_TOKEN, payload_size(payload.header))
     assert round(row["file_mib"] * 2**20) == expected
     assert not list((tmp_path / "small-600").iterdir())  # the scratch files are removed
+
+
+def test_q4_recipe_writes_q4_k_experts_and_bad_recipes_are_named(tmp_path):
+    path = slice_model.make_slice_model(tmp_path, config=reduced_config(), quant="q4")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert {types[f"blk.3.ffn_{k}_exps.weight"] for k in ("gate", "up", "down")} == {GgmlType.Q4_K}
+    with pytest.raises(ValueError, match="quant must be one of"):
+        slice_model.make_slice_model(tmp_path, config=reduced_config(), quant="q3")
+    with pytest.raises(ValueError, match="expert_stacks must be >= 1"):
+        slice_model.make_slice_model(tmp_path, config=reduced_config(), expert_stacks=0)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left behind
