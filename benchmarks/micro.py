@@ -422,8 +422,11 @@ def _run_phase(args: argparse.Namespace, name: str, model: str, directory: Path,
         str(result),
     ]
     print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
+    # One forward of a 2,048-token chunk of the slice takes minutes on a loaded 2-core machine;
+    # vLLM's default 300 s limit per execute_model call would kill the engine.
+    env = {**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(args.phase_timeout))}
     with open(log, "w") as fp:
-        proc = subprocess.run(cmd, stdout=fp, stderr=subprocess.STDOUT, timeout=args.phase_timeout)
+        proc = subprocess.run(cmd, stdout=fp, stderr=subprocess.STDOUT, timeout=args.phase_timeout, env=env)
     text = log.read_text()
     for line in text.splitlines():
         if line.startswith("[phase]") or re.search(r"kv cache (hit|loaded|stored)", line):
