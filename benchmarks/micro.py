@@ -1,0 +1,712 @@
+"""Microbenchmarks of the KV checkpoint path (issue 11), ratios measured side by side in one run.
+
+(a) Checkpoint save and restore throughput through the kvc layer (`ds4_vllm.kvc`, what the
+    store's writer and the connector's loader call): `write_checkpoint` (streamed, fsync'ed) of
+    a payload with the model's real section shapes, and `open_checkpoint` + copying every payload
+    array into a preallocated buffer, against a plain sequential write (8 MiB chunks + fsync) and
+    read (`readinto`, 8 MiB chunks) of the same number of bytes, in the same directory. Before
+    every read the file's pages are dropped from the page cache with
+    `posix_fadvise(POSIX_FADV_DONTNEED)` after an fsync (no privileges needed), and `mincore`
+    confirms none is resident. Default model and real-width slice model (`slice_model.py`),
+    2k/8k/32k/128k tokens (quick: 2k, 8k). Median of 3.
+(b) Cost of the lookup the connector's scheduler makes per request
+    (`CheckpointStore.lookup(text, tokens, ctx, quant)`: directory check, index scan, prefix
+    hashing, token agreement of the hit) with 10, 1,000 and 10,000 real checkpoint files in the
+    directory. Median over many calls.
+(c) Restart restore through the real connector: engine A prefills a prompt cold (the connector
+    saves it), then a new engine B (new process, same directory, page cache of the files dropped)
+    gets the prompt plus a 16-token suffix. Compared with A's cold prefill and with a sequential
+    read of the restored file (cache dropped) plus B's prefill of a fresh 16-token prompt.
+    Full run: the slice model at 32k tokens; quick run: the default model at 2k.
+
+    python benchmarks/micro.py            # full (the 32k cold prefill of the slice takes long)
+    python benchmarks/micro.py --quick    # a few minutes
+
+Writes benchmarks/results/<YYYY-MM-DD>/micro.json and micro.png. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import dataclasses
+import json
+import mmap
+import os
+import re
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BENCH_DIR = Path(__file__).resolve().parent
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
+
+from reporting import RESULTS_DIR, machine_info, print_table  # noqa: E402
+
+from ds4_vllm.kvc import (  # noqa: E402
+    KvcHeader,
+    LayerArrays,
+    ModelDims,
+    PayloadData,
+    PayloadHeader,
+    SaveReason,
+    compute_layout,
+    default_counts,
+    open_checkpoint,
+    write_checkpoint,
+)
+
+CHUNK = 8 << 20
+FULL_LENGTHS = (2048, 8192, 32768, 131072)
+QUICK_LENGTHS = (2048, 8192)
+LOOKUP_COUNTS = (10, 1000, 10000)
+REPEATS = 3
+SUFFIX_TOKENS = 16
+TEXT_BYTES_PER_TOKEN = 4  # about what DeepSeek's tokenizer gives on English text
+
+
+# ---------------------------------------------------------------------------- page cache
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def resident_fraction(path: Path) -> float:
+    """Fraction of the file's pages in the page cache (`mincore` on a read-only map)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0.0
+    page = mmap.PAGESIZE
+    pages = (size + page - 1) // page
+    libc = _libc()
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            vec = ctypes.create_string_buffer(pages)
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            return sum(b & 1 for b in vec.raw) / pages
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+
+
+def drop_file_cache(path: Path) -> float:
+    """fsync `path`, drop its pages with POSIX_FADV_DONTNEED; return the fraction still resident."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return resident_fraction(path)
+
+
+def page_cache_control() -> dict[str, Any]:
+    """What this machine allows for dropping the page cache (nothing global is dropped)."""
+    out: dict[str, Any] = {"method": "posix_fadvise(POSIX_FADV_DONTNEED) per file, after fsync"}
+    try:
+        fd = os.open("/proc/sys/vm/drop_caches", os.O_WRONLY)
+    except OSError as exc:
+        out["drop_caches"] = f"not allowed: {exc.strerror} (errno {exc.errno})"
+    else:
+        os.close(fd)
+        out["drop_caches"] = (
+            "writable, not used: it drops the whole machine's page cache, which the other "
+            "engineers' engines on this shared machine rely on"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------- (a) throughput
+
+
+def dims_of(config: Any) -> ModelDims:
+    """The KVC payload dims the connector records for a model config (`Ds4KVLayout.dims`)."""
+    return ModelDims(config.num_hidden_layers, config.head_dim, config.index_head_dim, config.vocab_size)
+
+
+def synthetic_payload(
+    dims: ModelDims, n_tokens: int, ctx_size: int, seed: int, tokens: Sequence[int] | None = None
+) -> PayloadData:
+    """A payload with the sections the connector writes for `n_tokens` (random float32 values)."""
+    rng = np.random.default_rng(seed)
+    if tokens is None:
+        tokens = rng.integers(1000, 100000, n_tokens, dtype=np.uint32)
+    header = PayloadHeader.build(dims, ctx_size=ctx_size, n_tokens=n_tokens)
+    n_comp, n_index = default_counts(dims.n_layer, n_tokens)
+    layout = compute_layout(header, n_comp, n_index)
+    layers = [
+        LayerArrays(**{s.name: rng.standard_normal(s.shape, dtype=np.float32) for s in lay.sections})
+        for lay in layout.layers
+    ]
+    return PayloadData(
+        header=header,
+        tokens=np.asarray(tokens, dtype=np.uint32),
+        logits=rng.standard_normal(dims.n_vocab, dtype=np.float32),
+        n_comp=n_comp,
+        n_index_comp=n_index,
+        layers=layers,
+    )
+
+
+def payload_arrays(payload: Any) -> list[np.ndarray]:
+    arrays = [payload.tokens, payload.logits]
+    for layer in payload.layers:
+        arrays += [a for a in (getattr(layer, f.name) for f in dataclasses.fields(layer)) if a is not None]
+    return arrays
+
+
+def checkpoint_restore(path: Path, dst: np.ndarray) -> float:
+    """Seconds for open_checkpoint (validate + map) plus copying every payload array into `dst`."""
+    t0 = time.perf_counter()
+    with open_checkpoint(path) as ck:
+        at = 0
+        for a in payload_arrays(ck.payload):
+            np.copyto(dst[at : at + a.size].reshape(a.shape), a, casting="unsafe")
+            at += a.size
+    return time.perf_counter() - t0
+
+
+def sequential_write(path: Path, nbytes: int, block: bytes) -> float:
+    """Seconds to write `nbytes` (chunks of `block`) and fsync, like a writer without structure."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        view = memoryview(block)
+        while left:
+            n = os.write(fd, view[: min(left, len(block))])
+            left -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def sequential_read(path: Path, buf: bytearray) -> float:
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as fp:
+        while fp.readinto(view):
+            pass
+    return time.perf_counter() - t0
+
+
+def checkpoint_throughput(
+    model: str, dims: ModelDims, lengths: Sequence[int], work: Path, repeats: int = REPEATS
+) -> list[dict[str, Any]]:
+    """(a) for one model: one row per length, medians of `repeats` save/restore/write/read runs."""
+    rows = []
+    block = secrets.token_bytes(CHUNK)
+    buf = bytearray(CHUNK)
+    for n in lengths:
+        directory = work / f"{model}-{n}"
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = synthetic_payload(dims, n, ctx_size=max(n + 4096, 8192), seed=n)
+        text = secrets.token_bytes(n * TEXT_BYTES_PER_TOKEN)
+        header = KvcHeader.new(quant_bits=2, reason=SaveReason.EVICT, tokens=n, ctx_size=max(n + 4096, 8192))
+        saves, restores, writes, reads, resident = [], [], [], [], []
+        dst: np.ndarray | None = None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            path = write_checkpoint(directory, text, header, payload, fsync=True)
+            saves.append(time.perf_counter() - t0)
+            size = path.stat().st_size
+            if dst is None:
+                dst = np.empty(size // 4 + 1, dtype=np.float32)
+            plain = directory / "plain.bin"
+            writes.append(sequential_write(plain, size, block))
+            resident.append(max(drop_file_cache(path), drop_file_cache(plain)))
+            reads.append(sequential_read(plain, buf))
+            restores.append(checkpoint_restore(path, dst))
+            path.unlink()
+            plain.unlink()
+        mib = size / 2**20
+        row = {
+            "model": model,
+            "tokens": n,
+            "file_mib": mib,
+            "save_s": statistics.median(saves),
+            "sequential_write_s": statistics.median(writes),
+            "restore_s": statistics.median(restores),
+            "sequential_read_s": statistics.median(reads),
+            "resident_after_drop": max(resident),
+            "all": {"save_s": saves, "write_s": writes, "restore_s": restores, "read_s": reads},
+        }
+        row["save_mib_s"] = mib / row["save_s"]
+        row["restore_mib_s"] = mib / row["restore_s"]
+        row["save_over_write_time"] = row["save_s"] / row["sequential_write_s"]
+        row["restore_over_read_time"] = row["restore_s"] / row["sequential_read_s"]
+        print(
+            f"(a) {model} {n} tokens {mib:.1f} MiB: save {row['save_s']:.3f} s (write {row['sequential_write_s']:.3f}),"
+            f" restore {row['restore_s']:.3f} s (read {row['sequential_read_s']:.3f})",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------- (b) lookup
+
+LOOKUP_DIMS = ModelDims(n_layer=5, head_dim=8, index_dim=4, n_vocab=64)  # small files, real format
+
+
+def populate_store(directory: Path, count: int, prompt_tokens: int, seed: int) -> tuple[bytes, list[int]]:
+    """`count` checkpoint files of distinct texts; one is a 2/3 prefix of the returned prompt.
+
+    Texts are random bytes of 512..`prompt_tokens` tokens (4 bytes each), as left by many sessions;
+    the returned prompt (text and tokens) extends the hit file's text by a new suffix.
+    """
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    prompt = rng.integers(1000, 60000, prompt_tokens).tolist()
+    prompt_text = b"".join(t.to_bytes(4, "little") for t in prompt)
+    hit = (2 * prompt_tokens // 3) // 64 * 64
+    for i in range(count):
+        if i == 0:
+            tokens = prompt[:hit]
+        else:
+            tokens = rng.integers(1000, 60000, int(rng.integers(512, prompt_tokens + 1))).tolist()
+        text = b"".join(t.to_bytes(4, "little") for t in tokens)
+        header = KvcHeader.new(quant_bits=2, reason=SaveReason.CONTINUED, tokens=len(tokens), ctx_size=65536)
+        payload = synthetic_payload(LOOKUP_DIMS, len(tokens), 65536, seed=i, tokens=tokens)
+        write_checkpoint(directory, text, header, payload, fsync=False)
+    return prompt_text, prompt
+
+
+def lookup_cost(
+    counts: Sequence[int], work: Path, calls: int = 200, prompt_tokens: int = 4096
+) -> list[dict[str, Any]]:
+    """(b): median seconds of `CheckpointStore.lookup` with `count` files in the directory."""
+    from ds4_vllm.store.checkpoint_store import CheckpointStore
+    from ds4_vllm.store.options import StoreOptions
+
+    rows = []
+    for count in counts:
+        directory = work / f"lookup-{count}"
+        t0 = time.perf_counter()
+        prompt_text, prompt = populate_store(directory, count, prompt_tokens, seed=count)
+        made_s = time.perf_counter() - t0
+        options = StoreOptions(disk_dir=str(directory), disk_space_mb=1 << 20).validate()
+        store = CheckpointStore(options, model_dims=LOOKUP_DIMS, fsync=False).open()
+        t0 = time.perf_counter()
+        first = store.lookup(prompt_text, prompt, 65536, 2)  # reads the directory
+        first_s = time.perf_counter() - t0
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            outcome = store.lookup(prompt_text, prompt, 65536, 2)
+            times.append(time.perf_counter() - t0)
+        if not (first.hit and outcome.hit):
+            raise RuntimeError(f"lookup with {count} files missed: {outcome}")
+        rescans = []
+        for _ in range(REPEATS):  # what a lookup also pays every refresh interval (2 s): a rescan
+            t0 = time.perf_counter()
+            store.entries()  # forced directory refresh, nothing changed
+            rescans.append(time.perf_counter() - t0)
+        row = {
+            "entries": count,
+            "median_ms": 1000 * statistics.median(times),
+            "p90_ms": 1000 * float(np.percentile(times, 90)),
+            "first_lookup_ms": 1000 * first_s,
+            "rescan_ms": 1000 * statistics.median(rescans),
+            "hit_tokens": outcome.agreed_tokens,
+            "prompt_tokens": prompt_tokens,
+            "calls": calls,
+            "populate_s": made_s,
+        }
+        print(
+            f"(b) {count} entries: lookup median {row['median_ms']:.3f} ms, p90 {row['p90_ms']:.3f} ms, "
+            f"first after open {row['first_lookup_ms']:.1f} ms, rescan {row['rescan_ms']:.1f} ms",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------- (c) restart restore
+
+
+def _engine(model: str, directory: Path, max_model_len: int) -> Any:
+    from reporting import ds4disk_config, make_engine
+
+    return make_engine(
+        model=model,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        kv_transfer_config=ds4disk_config(directory),
+    )
+
+
+def phase(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine process of (c): `cold` (prefill the prompt) or `restored` (prompt + suffix)."""
+    from bench_connector import flush, prompt_for, suffix_for, wait_quiet
+    from reporting import shutdown_engine, timed_generate
+
+    directory = Path(args.dir)
+    t0 = time.perf_counter()
+    llm = _engine(args.model, directory, args.max_model_len)
+    out: dict[str, Any] = {"engine_start_s": time.perf_counter() - t0}
+    flush(llm, directory)  # warm-up, below the connector's minimum length
+    n = args.length
+    if args.phase == "cold":
+        seconds, outs = timed_generate(llm, [prompt_for(n, 0)], 1)
+        out |= {"prompt_tokens": n, "ttft_s": seconds}
+        print(f"[phase] cold {n} tokens: ttft {seconds:.3f} s", flush=True)
+        flush(llm, directory)  # the finished request's evict save happens at the next step
+    else:
+        suffix_only = []
+        for r in range(REPEATS):  # prefill of a fresh suffix-length prompt (nothing to restore)
+            suffix_only.append(timed_generate(llm, [suffix_for(n, 100 + r, SUFFIX_TOKENS)], 1)[0])
+        prompt = prompt_for(n, 0) + suffix_for(n, 0, SUFFIX_TOKENS)
+        seconds, outs = timed_generate(llm, [prompt], 1)
+        out |= {
+            "prompt_tokens": len(prompt),
+            "ttft_s": seconds,
+            "num_cached_tokens": outs[0].num_cached_tokens,
+            "suffix_prefill_s": statistics.median(suffix_only),
+            "suffix_prefill_all_s": suffix_only,
+        }
+        print(
+            f"[phase] restored {len(prompt)} tokens: ttft {seconds:.3f} s, cached {outs[0].num_cached_tokens}"
+        )
+    shutdown_engine(llm)
+    wait_quiet(directory)
+    return out
+
+
+def _run_phase(args: argparse.Namespace, name: str, model: str, directory: Path, log: Path) -> dict[str, Any]:
+    result = log.with_suffix(".json")
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--phase",
+        name,
+        "--model",
+        model,
+        "--dir",
+        str(directory),
+        "--length",
+        str(args.restart_length),
+        "--max-model-len",
+        str(args.restart_length + 4096),
+        "--result-file",
+        str(result),
+    ]
+    print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
+    # One forward of a 2,048-token chunk of the slice takes minutes on a loaded 2-core machine;
+    # vLLM's default 300 s limit per execute_model call would kill the engine.
+    env = {**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(args.phase_timeout))}
+    with open(log, "w") as fp:
+        proc = subprocess.run(cmd, stdout=fp, stderr=subprocess.STDOUT, timeout=args.phase_timeout, env=env)
+    text = log.read_text()
+    for line in text.splitlines():
+        if line.startswith("[phase]") or re.search(r"kv cache (hit|loaded|stored)", line):
+            print("   ", line[line.find("kv cache") if "kv cache" in line else 0 :][:160], flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"phase {name} failed (rc {proc.returncode}); log {log}:\n{text[-3000:]}")
+    out = json.loads(result.read_text())
+    out["load_ms_logged"] = [
+        float(m) for m in re.findall(r"kv cache loaded tokens=\d+ .* load=([\d.]+) ms", text)
+    ]
+    return out
+
+
+def restart_restore(args: argparse.Namespace, model: str, label: str, work: Path) -> dict[str, Any]:
+    """(c): cold prefill in engine A, restore after a restart in engine B, both through ds4disk."""
+    directory = work / "restart-kv"
+    directory.mkdir(parents=True, exist_ok=True)
+    cold = _run_phase(args, "cold", model, directory, work / "restart-cold.log")
+    files = sorted(directory.glob("*.kv"), key=lambda p: p.stat().st_size)
+    resident = max((drop_file_cache(p) for p in files), default=0.0)
+    restored = _run_phase(args, "restored", model, directory, work / "restart-restored.log")
+    # The file B restored: the longest one (the evict checkpoint of the whole prompt).
+    biggest = files[-1]
+    with open_checkpoint(biggest) as ck:
+        payload_dims = ck.payload.header.as_dict()
+    drop_file_cache(biggest)
+    buf = bytearray(CHUNK)
+    reads = []
+    for _ in range(REPEATS):
+        drop_file_cache(biggest)
+        reads.append(sequential_read(biggest, buf))
+    read_s = statistics.median(reads)
+    bound = read_s + restored["suffix_prefill_s"]
+    out = {
+        "model": label,
+        "prompt_tokens": args.restart_length,
+        "suffix_tokens": SUFFIX_TOKENS,
+        "cold": cold,
+        "restored": restored,
+        "files": [{"file": p.name, "bytes": p.stat().st_size} for p in files],
+        "restored_file_payload_header": payload_dims,
+        "resident_before_restore": resident,
+        "sequential_read_s": read_s,
+        "speedup_vs_cold": cold["ttft_s"] / restored["ttft_s"],
+        "restored_over_read_plus_suffix": restored["ttft_s"] / bound,
+    }
+    print(
+        f"(c) {label} {args.restart_length}: cold {cold['ttft_s']:.2f} s, restored {restored['ttft_s']:.3f} s "
+        f"({out['speedup_vs_cold']:.1f}x), read {read_s:.4f} s + suffix {restored['suffix_prefill_s']:.3f} s "
+        f"-> restored / (read + suffix) = {out['restored_over_read_plus_suffix']:.2f}",
+        flush=True,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    """Restore (and save) time vs prompt length, against the sequential read/write of the same bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    for model, rows in results["throughput"].items():
+        x = [r["tokens"] for r in rows]
+        ax.plot(x, [r["restore_s"] for r in rows], "o-", label=f"{model}: restore (kvc)")
+        ax.plot(x, [r["sequential_read_s"] for r in rows], "x--", label=f"{model}: sequential read")
+        ax.plot(x, [r["save_s"] for r in rows], "s:", alpha=0.6, label=f"{model}: save (kvc)")
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds (median of 3)")
+    ax.set_title("checkpoint restore vs sequential read (page cache dropped)")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    rows = results["lookup"]
+    ax.plot([r["entries"] for r in rows], [r["median_ms"] for r in rows], "o-", label="median")
+    ax.plot([r["entries"] for r in rows], [r["p90_ms"] for r in rows], "x--", label="p90")
+    ax.plot(
+        [r["entries"] for r in rows],
+        [r["rescan_ms"] for r in rows],
+        "s:",
+        label="directory rescan (every 2 s)",
+    )
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="1 ms")
+    ax.set(xscale="log", yscale="log", xlabel="checkpoint files in the store", ylabel="ms per lookup")
+    ax.set_title("scheduler lookup cost")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def tables(results: dict[str, Any]) -> str:
+    parts: list[str] = []
+    rows = [
+        [
+            r["model"],
+            r["tokens"],
+            r["file_mib"],
+            r["save_s"],
+            r["sequential_write_s"],
+            r["save_over_write_time"],
+            r["restore_s"],
+            r["sequential_read_s"],
+            r["restore_over_read_time"],
+        ]
+        for model_rows in results["throughput"].values()
+        for r in model_rows
+    ]
+    if rows:
+        parts.append(
+            print_table(
+                "(a) kvc save/restore vs sequential write/read (page cache dropped, median of 3)",
+                [
+                    "model",
+                    "tokens",
+                    "MiB",
+                    "save s",
+                    "write s",
+                    "save/write",
+                    "restore s",
+                    "read s",
+                    "restore/read",
+                ],
+                rows,
+            )
+        )
+    if results["lookup"]:
+        parts.append(
+            print_table(
+                "(b) CheckpointStore.lookup",
+                ["files", "median ms", "p90 ms", "first lookup after open ms", "rescan ms (every 2 s)"],
+                [
+                    [r["entries"], r["median_ms"], r["p90_ms"], r["first_lookup_ms"], r["rescan_ms"]]
+                    for r in results["lookup"]
+                ],
+            )
+        )
+    c = results.get("restart")
+    if c:
+        parts.append(
+            print_table(
+                f"(c) restart restore, {c['model']}, {c['prompt_tokens']} tokens + {c['suffix_tokens']}",
+                [
+                    "cold TTFT s",
+                    "restored TTFT s",
+                    "speed-up",
+                    "read s",
+                    "suffix prefill s",
+                    "restored/(read+suffix)",
+                ],
+                [
+                    [
+                        c["cold"]["ttft_s"],
+                        c["restored"]["ttft_s"],
+                        c["speedup_vs_cold"],
+                        c["sequential_read_s"],
+                        c["restored"]["suffix_prefill_s"],
+                        c["restored_over_read_plus_suffix"],
+                    ]
+                ],
+            )
+        )
+    return "\n\n".join(parts)
+
+
+def _slice_config() -> Any:
+    from slice_model import slice_config
+
+    return slice_config()
+
+
+PARTS = ("throughput", "lookup", "restart")
+
+
+def run(
+    results_dir: Path,
+    quick: bool,
+    *,
+    parts: Sequence[str] = PARTS,
+    lookup_counts: Sequence[int] = LOOKUP_COUNTS,
+    restart_model: str | None = None,
+    restart_length: int | None = None,
+    name: str = "micro",
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the `parts` of (a) throughput, (b) lookup, (c) restart; write <name>.json and .png.
+
+    quick: (a) at 2k and 8k, (c) on the default model at 2k; full: (a) at 2k-128k, (c) on the
+    slice model at 32k. `restart_model` ("ds4", "slice", "slice:N" for N routed experts, or a model
+    path) and `restart_length` override (c).
+    Returns the results (also the JSON's content).
+    """
+    from ds4_vllm.model.default_model import default_config
+
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; known: {PARTS}")
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    restart_model = restart_model or ("ds4" if quick else "slice")
+    args = argparse.Namespace(
+        restart_length=restart_length or (2048 if quick else 32768),
+        phase_timeout=600 if quick else 4 * 3600,
+    )
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "benchmark": "micro",
+        "quick": quick,
+        "machine": machine_info(),
+        "page_cache": page_cache_control(),
+        "throughput": {},
+        "lookup": [],
+    }
+    lengths = QUICK_LENGTHS if quick else FULL_LENGTHS
+    with tempfile.TemporaryDirectory(prefix="ds4-micro-", dir=os.environ.get("DS4_BENCH_TMP")) as tmp:
+        work = Path(tmp)
+        if "throughput" in parts:
+            progress("(a) checkpoint save/restore throughput")
+            results["throughput"] = {
+                "ds4": checkpoint_throughput("ds4", dims_of(default_config()), lengths, work),
+                "slice": checkpoint_throughput("slice", dims_of(_slice_config()), lengths, work),
+            }
+        if "lookup" in parts:
+            progress("(b) lookup cost")
+            results["lookup"] = lookup_cost(lookup_counts, work, calls=50 if quick else 200)
+        if "restart" in parts:
+            if restart_model.startswith("slice"):  # "slice", or "slice:16" for 16 routed experts
+                from slice_model import make_slice_model, slice_config
+
+                experts = int(restart_model.partition(":")[2] or 256)
+                model = str(make_slice_model(config=slice_config(n_routed_experts=experts)))
+                label = "slice" if experts == 256 else f"slice with {experts} routed experts"
+            else:
+                model, label = restart_model, restart_model
+            progress(f"(c) restart restore ({label}, {args.restart_length} tokens)")
+            results["restart"] = restart_restore(args, model, label, work)
+    results["load_average_end"] = os.getloadavg()
+    results["wall_s"] = time.perf_counter() - started
+    results["table_markdown"] = tables(results)
+    (results_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    if results["throughput"] and results["lookup"]:
+        plot(results, results_dir / f"{name}.png")
+    progress(f"wrote {results_dir / name}.json")
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2k/8k, restart on the default model at 2k")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
+    ap.add_argument(
+        "--restart-model", help='model of (c): "ds4", "slice", "slice:N" (N routed experts), a path'
+    )
+    ap.add_argument("--restart-length", type=int, help="prompt tokens of (c)")
+    ap.add_argument("--name", default="micro", help="result file name (<name>.json, <name>.png)")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR / time.strftime("%Y-%m-%d"))
+    # internal: one engine phase of (c) in this process
+    ap.add_argument("--phase", choices=["cold", "restored"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.phase:
+        Path(args.result_file).write_text(json.dumps(phase(args)))
+        return
+    run(
+        args.results_dir,
+        args.quick,
+        parts=args.parts,
+        restart_model=args.restart_model,
+        restart_length=args.restart_length,
+        name=args.name,
+    )
+
+
+if __name__ == "__main__":
+    main()
