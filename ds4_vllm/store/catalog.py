@@ -218,6 +218,9 @@ class Catalog:
     def quarantine(self, path: str, reason: str) -> bool:
         """Move a bad file out of the scan (DIR/quarantine/); True when it was moved."""
         self._stats.failures += 1
+        # Out of lookups and the budget at once, whether or not it can be moved: a bad file
+        # that stays (read-only directory, `quarantine` a link) must not hide the good ones.
+        self._index.mark_invalid(path, reason)
         try:
             target = self.fs.quarantine(path)
         except FileNotFoundError:
