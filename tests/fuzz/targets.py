@@ -16,6 +16,7 @@ Targets:
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shutil
@@ -165,6 +166,7 @@ class ScanWorld:
         self.store = CheckpointStore(
             options, model_dims=NANO, refresh_interval_s=0.0, fsync=False, clock=lambda: NOW + 60
         ).open()
+        atexit.register(shutil.rmtree, self.root, ignore_errors=True)
 
     def reset(self) -> None:
         for entry in os.scandir(self.store_dir):
@@ -210,6 +212,7 @@ class ScanWorld:
 
     def run(self, data: bytes) -> None:
         from ds4_vllm.store.fs import QUARANTINE_DIR
+        from ds4_vllm.store.tool_memory import ToolMemory
 
         self.reset()
         records = scan_records(data)
@@ -239,6 +242,10 @@ class ScanWorld:
         for e in entries:
             if e.text is not None and e.path != self.good:
                 self.store.lookup(e.text, [0] * min(e.tokens, 64), CTX, 2)
+        # The tool-id memory reads the trailers of the same directory (links and odd names skipped).
+        memory = ToolMemory(directory=self.store_dir, max_bytes=1 << 16)
+        memory.load_directory()
+        assert memory.nbytes <= 1 << 16 or len(memory) == 1
         out = self.store.lookup(self.good_text, self.good_tokens, CTX, 2)
         assert out.hit and out.path == str(self.good), out
         assert self.good.read_bytes() == self.good_bytes
