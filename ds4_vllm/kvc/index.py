@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import stat
+from collections.abc import Container
 from pathlib import Path
 
 import numpy as np
@@ -224,18 +225,6 @@ class CheckpointIndex:
             text=prefix.text if self.keep_text else None,
         )
 
-    def mark_invalid(self, path: PathArg, reason: str) -> bool:
-        """Set aside an entry found unusable after the scan (e.g. its payload is corrupt).
-
-        It stays out of lookups and the budget until the file changes or goes (the next
-        `refresh` re-reads it then). Returns True when `path` was a valid entry.
-        """
-        p = Path(path)
-        if self._entries.pop(p, None) is None:
-            return False
-        self._invalid[p] = reason
-        return True
-
     def get(self, sha1: str) -> IndexEntry | None:
         for entry in self._entries.values():
             if entry.sha1 == sha1.lower():
@@ -251,6 +240,7 @@ class CheckpointIndex:
         quant_bits: int | None = None,
         reject_different_quant: bool = False,
         explain: bool = True,
+        exclude: Container[Path] = frozenset(),
     ) -> LookupResult:
         """Longest entry whose text is a byte prefix of `prompt` (ds4's `find_text_prefix`).
 
@@ -260,6 +250,7 @@ class CheckpointIndex:
         one SHA-1 pass that snapshots the digest at each distinct candidate length, so the
         cost is O(len(prompt) + distinct lengths), not O(files x prompt). Call `refresh()`
         first to see other processes' changes. Unlike ds4 the prompt is not cut at a NUL.
+        Entries whose path is in `exclude` (set aside by the caller) are skipped as "set_aside".
         """
         prompt = bytes(prompt)
         skipped: collections.Counter[str] = collections.Counter()
@@ -268,6 +259,9 @@ class CheckpointIndex:
         )
         candidates = 0
         for entry in self._entries.values():
+            if entry.path in exclude:
+                skipped["set_aside"] += 1
+                continue
             reason = self._skip_reason(
                 entry, len(prompt), min_tokens, ctx_size, quant_bits, reject_different_quant
             )
