@@ -76,11 +76,11 @@ def read_private_file(path: str | os.PathLike[str], max_bytes: int = SMALL_FILE_
     except FileNotFoundError:
         return None
     except KvcFormatError as exc:
-        raise OSError(errno.EINVAL, f"{exc.field}: {exc.reason}", os.fspath(path)) from None
+        raise OSError(errno.EINVAL, f"{Path(path).name} {exc.reason}", os.fspath(path)) from None
     with os.fdopen(fd, "rb") as fp:
         data = fp.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", os.fspath(path))
+        raise OSError(errno.EFBIG, f"{Path(path).name} is larger than {max_bytes} bytes", os.fspath(path))
     return data
 
 

@@ -241,7 +241,7 @@ class ToolMemory:
             files.append((st.st_mtime_ns, name, stamp))
         files.sort()  # oldest first, so the newest files' ids end up the most recent
         for _, name, stamp in files:
-            entries = read_tool_map(self.directory / name, max_bytes=self.max_bytes)
+            entries = read_tool_map(self.directory / name, max_bytes=self.max_bytes, check_name=True)
             self._scanned[name] = stamp
             for tool_id, dsml in entries or ():
                 self.remember(tool_id, dsml)
@@ -258,19 +258,23 @@ class ToolMemory:
 
 
 def read_tool_map(
-    path: str | os.PathLike[str], *, max_bytes: int = TOOL_MEMORY_MAX_BYTES
+    path: str | os.PathLike[str], *, max_bytes: int = TOOL_MEMORY_MAX_BYTES, check_name: bool = False
 ) -> list[tuple[str, str]] | None:
     """(id, DSML) pairs of one checkpoint's KTM trailer, read the way ds4's reader reads it (a bad
     trailer is ignored, a bad entry ends it); None when the file is unreadable or not a checkpoint.
 
     The file is memory-mapped and at most `max_bytes` of ids and DSML are copied out of it (an
     entry past that ends the map, as a bad one does), whatever sizes the trailer claims. A link
-    is not followed.
+    is not followed. With `check_name` (the directory scan) a file whose name is not the SHA-1
+    of its text is not a checkpoint: None.
     """
     try:
         with open(open_regular_file(path, follow_symlinks=False), "rb") as fp:
             size = os.fstat(fp.fileno()).st_size
             header, text_bytes = unpack_prefix(fp.read(PREFIX_BYTES), size, path)
+            if check_name and hashlib.sha1(fp.read(text_bytes)).hexdigest() != Path(path).name[:40].lower():
+                logger.debug("tool memory: skipping %s: its name is not the SHA-1 of its text", path)
+                return None
             if not header.ext_flags & ExtFlag.TOOL_MAP:
                 return []
             at = PREFIX_BYTES + text_bytes + header.payload_bytes

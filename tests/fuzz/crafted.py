@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import struct
 
+import numpy as np
+
 from ds4_vllm.kvc import KvcHeader, SaveReason, ToolMapEntry, checkpoint_name, write_checkpoint
 
 from .seeds import CTX, NANO, NOW, payload_data
@@ -36,9 +38,13 @@ class Crafted:
         return checkpoint_name(self.data[52 : 52 + n]) if 52 + n <= len(self.data) else checkpoint_name(TEXT)
 
 
-def base_file(tmp_dir: str) -> bytes:
+def base_file(tmp_dir: str, text: bytes = TEXT, tokens: list[int] | None = None) -> bytes:
+    """A valid NANO-shaped file of `TOKENS` tokens with the two hostile-id KTM entries."""
     header = KvcHeader.new(quant_bits=2, reason=SaveReason.COLD, tokens=TOKENS, ctx_size=CTX, now=NOW)
-    path = write_checkpoint(tmp_dir, TEXT, header, payload_data(NANO, TOKENS, 7), TOOL_ENTRIES, fsync=False)
+    data = payload_data(NANO, TOKENS, 7)
+    if tokens is not None:
+        data.tokens = np.asarray(tokens, dtype=np.uint32)
+    path = write_checkpoint(tmp_dir, text, header, data, TOOL_ENTRIES, fsync=False)
     data = path.read_bytes()
     path.unlink()
     return data
@@ -49,7 +55,8 @@ class Layout:
 
     def __init__(self, data: bytes) -> None:
         (self.payload_bytes,) = struct.unpack_from("<Q", data, 40)
-        self.payload = 52 + len(TEXT)
+        (text_bytes,) = struct.unpack_from("<I", data, 48)
+        self.payload = 52 + text_bytes
         self.counts = self.payload + 52 + 4 * TOKENS + 4 * NANO.n_vocab
         self.trailer = self.payload + self.payload_bytes
 
@@ -76,7 +83,7 @@ def crafted_files(base: bytes) -> list[Crafted]:
         ("payload_bytes_u64_max", [(u64, 40, 2**64 - 1)], "header.payload_bytes", "past the end"),
         (
             "payload_bytes_one_past",
-            [(u64, 40, len(base) - 52 - len(TEXT) + 1)],
+            [(u64, 40, len(base) - at.payload + 1)],
             "header.payload_bytes",
             "past",
         ),
