@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Coverage-guided fuzzing of the KVC reader and the directory scan (tests/fuzz/README.md):
+# Coverage-guided fuzzing of the KVC reader and the directory scan (docs/reliability/files.md):
 #   scripts/fuzz.sh [TARGET ...] [--runs N] [--seed S] [--out DIR] [--json FILE]
 # Default: every target, 100000 cases each. Exit 1 when any target found a crashing input.
 set -euo pipefail

@@ -29,7 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-len", type=int, default=16384, help="largest input in bytes")
     parser.add_argument("--work", type=Path, default=None, help="folder for new corpus entries and crashes")
     parser.add_argument("--timeout", type=int, default=20, help="seconds one input may take")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--merge-into",
+        type=Path,
+        default=None,
+        help="instead of fuzzing, copy into this folder the smallest set of inputs from --work/corpus and the "
+        "seeds that keeps their coverage (libFuzzer -merge=1); used to grow tests/fuzz/corpus",
+    )
+    # libFuzzer re-runs this program with flags of its own for -merge=1 (argv0 below): pass them on.
+    args, libfuzzer_own = parser.parse_known_args(argv)
 
     with atheris.instrument_imports(include=["ds4_vllm"]):
         from .targets import TARGETS
@@ -39,19 +47,32 @@ def main(argv: list[str] | None = None) -> None:
     new_inputs = work / "corpus"
     new_inputs.mkdir(parents=True, exist_ok=True)
     seeds = CORPUS / args.target
-    libfuzzer_args = [
-        sys.argv[0],
-        f"-runs={args.runs}",
-        f"-seed={args.seed}",
-        f"-max_len={args.max_len}",
-        f"-timeout={args.timeout}",
-        f"-artifact_prefix={work}/",
-        "-print_final_stats=1",
-        "-rss_limit_mb=2048",
-        str(new_inputs),
-        str(seeds),
-    ]
-    print(f"fuzz target={args.target} runs={args.runs} work={work}", file=sys.stderr, flush=True)
+    argv0 = f"{sys.executable} -m tests.fuzz.run {args.target}"  # a command line, as libFuzzer re-runs it
+    if libfuzzer_own:
+        libfuzzer_args = [argv0, *libfuzzer_own]
+    elif args.merge_into is not None:
+        args.merge_into.mkdir(parents=True, exist_ok=True)
+        libfuzzer_args = [
+            argv0,
+            "-merge=1",
+            f"-max_len={args.max_len}",
+            str(args.merge_into),
+            str(new_inputs),
+        ]
+    else:
+        libfuzzer_args = [
+            argv0,
+            f"-runs={args.runs}",
+            f"-seed={args.seed}",
+            f"-max_len={args.max_len}",
+            f"-timeout={args.timeout}",
+            f"-artifact_prefix={work}/",
+            "-print_final_stats=1",
+            "-rss_limit_mb=2048",
+            str(new_inputs),
+            str(seeds),
+        ]
+        print(f"fuzz target={args.target} runs={args.runs} work={work}", file=sys.stderr, flush=True)
     atheris.Setup(libfuzzer_args, TARGETS[args.target])
     atheris.Fuzz()
 
