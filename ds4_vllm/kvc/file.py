@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import mmap
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -56,6 +58,44 @@ def checkpoint_file_size(text_bytes: int, payload_bytes: int, trailer_bytes: int
     return PREFIX_BYTES + text_bytes + payload_bytes + trailer_bytes
 
 
+def open_regular_file(path: PathArg, flags: int = os.O_RDONLY, *, follow_symlinks: bool = True) -> int:
+    """Open an existing checkpoint file and return its descriptor, refusing anything but a regular file.
+
+    The open never blocks (a FIFO put in place of a checkpoint would hang a plain open) and,
+    with `follow_symlinks=False`, does not follow a link (the store never reads or writes
+    through a link out of its directory). Raises KvcFormatError(field "file_type") for a link
+    or a non-regular file, OSError for I/O failures.
+    """
+    nofollow = 0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if nofollow and exc.errno == errno.ELOOP and os.path.islink(path):
+            raise KvcFormatError(
+                path,
+                None,
+                "file_type",
+                "is a symbolic link; links in a checkpoint directory are not followed",
+            ) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "not a regular file"
+            )
+            raise KvcFormatError(path, None, "file_type", f"is {kind}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Prefix:
     """Header, text and size of a file, read without touching the payload (for scans)."""
@@ -66,9 +106,9 @@ class Prefix:
     file_size: int
 
 
-def read_prefix(path: PathArg, *, with_text: bool = True) -> Prefix:
+def read_prefix(path: PathArg, *, with_text: bool = True, follow_symlinks: bool = True) -> Prefix:
     """Read the 52-byte prefix (and the text), proving header + text + payload fit the file."""
-    with open(path, "rb") as fp:
+    with open(open_regular_file(path, follow_symlinks=follow_symlinks), "rb") as fp:
         size = os.fstat(fp.fileno()).st_size
         data = fp.read(PREFIX_BYTES)
         header, text_bytes = unpack_prefix(data, size, path)
@@ -202,13 +242,16 @@ def parse_checkpoint(
     )
 
 
-def open_checkpoint(path: PathArg, *, check_name: bool = True, strict_trailer: bool = True) -> Checkpoint:
+def open_checkpoint(
+    path: PathArg, *, check_name: bool = True, strict_trailer: bool = True, follow_symlinks: bool = True
+) -> Checkpoint:
     """Open a `.kv` file read-only through mmap and validate it (see `parse_checkpoint`).
 
     `check_name=False` accepts files under any name (e.g. `inspect` on a renamed copy).
     `strict_trailer=False` reads the KTM trailer as ds4 does (defects stop the scan quietly).
+    `follow_symlinks=False` (the store) refuses a link with KvcFormatError("file_type").
     """
-    with open(path, "rb") as fp:
+    with open(open_regular_file(path, follow_symlinks=follow_symlinks), "rb") as fp:
         size = os.fstat(fp.fileno()).st_size
         if size < PREFIX_BYTES:
             raise KvcFormatError(path, size, "header", f"file has {size} bytes, fewer than 52")
@@ -323,13 +366,15 @@ def write_checkpoint(
     return final
 
 
-def touch_checkpoint(path: PathArg, *, now: int | None = None, hits: int | None = None) -> KvcHeader:
+def touch_checkpoint(
+    path: PathArg, *, now: int | None = None, hits: int | None = None, follow_symlinks: bool = True
+) -> KvcHeader:
     """Record a disk hit in place, like `ds4_kvstore_touch_file`: hits + 1 (or `hits`), last_used = now.
 
     Rewrites the 48 header bytes with reserved bytes zero and an unknown reason as 0.
     Not atomic (one 48-byte write), as in ds4. Returns the new header.
     """
-    with open(path, "r+b") as fp:
+    with open(open_regular_file(path, os.O_RDWR, follow_symlinks=follow_symlinks), "r+b") as fp:
         size = os.fstat(fp.fileno()).st_size
         header, _ = unpack_prefix(fp.read(PREFIX_BYTES), size, path)
         new = header.touched(now, hits)
@@ -339,7 +384,9 @@ def touch_checkpoint(path: PathArg, *, now: int | None = None, hits: int | None 
     return new
 
 
-def rewrite_tool_map(path: PathArg, entries: Iterable[ToolMapEntry], *, now: int | None = None) -> KvcHeader:
+def rewrite_tool_map(
+    path: PathArg, entries: Iterable[ToolMapEntry], *, now: int | None = None, follow_symlinks: bool = True
+) -> KvcHeader:
     """Replace the KTM trailer in place, like ds4's `kv_cache_rewrite_trailer`.
 
     With entries: truncate at the payload end, append the new trailer, set ext bit0, keep
@@ -347,7 +394,7 @@ def rewrite_tool_map(path: PathArg, entries: Iterable[ToolMapEntry], *, now: int
     non-empty map). Returns the header as it is afterwards.
     """
     trailer = pack_tool_map(entries)
-    with open(path, "r+b") as fp:
+    with open(open_regular_file(path, os.O_RDWR, follow_symlinks=follow_symlinks), "r+b") as fp:
         size = os.fstat(fp.fileno()).st_size
         header, text_bytes = unpack_prefix(fp.read(PREFIX_BYTES), size, path)
         if not trailer:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import os
+import stat
+from collections.abc import Container
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +94,12 @@ class LookupResult:
         )
 
 
+def _not_followed(mode: int) -> str:
+    """The invalid-entry reason of a `<sha1>.kv` name that is not a regular file."""
+    kind = "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
+    return f"file_type: {kind}, not a regular file; never followed or read"
+
+
 def _common_prefix(a: bytes, b: bytes) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -104,8 +113,9 @@ def _common_prefix(a: bytes, b: bytes) -> int:
 class CheckpointIndex:
     """The valid checkpoints of one directory, keyed by path.
 
-    Files are valid when their name is `<40 hex>.kv`, their header parses, header + text +
-    payload fit the file, and (with `verify_text`, default) SHA-1(text) matches the name.
+    Files are valid when their name is `<40 hex>.kv`, they are regular files (a link is listed
+    as invalid and never followed), their header parses, header + text + payload fit the file,
+    and (with `verify_text`, default) SHA-1(text) matches the name.
     Invalid files are remembered in `invalid` (path -> reason) and, like ds4, never deleted
     here. With `keep_text` (default) entry texts stay in memory to explain misses.
     """
@@ -149,16 +159,18 @@ class CheckpointIndex:
                         continue
                     path = Path(dirent.path)
                     try:
-                        st = dirent.stat()
+                        st = dirent.stat(follow_symlinks=False)  # a link is judged, never followed
                     except OSError:
                         continue
-                    if not dirent.is_file():
+                    if stat.S_ISDIR(st.st_mode):
                         continue
                     seen.add(path)
                     sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-                    outcome = self._update(
-                        path, sig, lambda p=path, n=dirent.name, m=st.st_mtime_ns: self._read(p, n, m)
-                    )
+                    if stat.S_ISREG(st.st_mode):
+                        read = functools.partial(self._read, path, dirent.name, st.st_mtime_ns)
+                    else:
+                        read = functools.partial(_not_followed, st.st_mode)
+                    outcome = self._update(path, sig, read)
                     if outcome is not None:
                         added += outcome[0] == "added"
                         changed += outcome[0] == "changed"
@@ -194,7 +206,7 @@ class CheckpointIndex:
 
     def _read(self, path: Path, name: str, mtime_ns: int) -> IndexEntry | str:
         try:
-            prefix = read_prefix(path, with_text=True)
+            prefix = read_prefix(path, with_text=True, follow_symlinks=False)
         except KvcFormatError as exc:
             return f"{exc.field}: {exc.reason}"
         except OSError as exc:
@@ -228,6 +240,7 @@ class CheckpointIndex:
         quant_bits: int | None = None,
         reject_different_quant: bool = False,
         explain: bool = True,
+        exclude: Container[Path] = frozenset(),
     ) -> LookupResult:
         """Longest entry whose text is a byte prefix of `prompt` (ds4's `find_text_prefix`).
 
@@ -237,6 +250,7 @@ class CheckpointIndex:
         one SHA-1 pass that snapshots the digest at each distinct candidate length, so the
         cost is O(len(prompt) + distinct lengths), not O(files x prompt). Call `refresh()`
         first to see other processes' changes. Unlike ds4 the prompt is not cut at a NUL.
+        Entries whose path is in `exclude` (set aside by the caller) are skipped as "set_aside".
         """
         prompt = bytes(prompt)
         skipped: collections.Counter[str] = collections.Counter()
@@ -245,6 +259,9 @@ class CheckpointIndex:
         )
         candidates = 0
         for entry in self._entries.values():
+            if entry.path in exclude:
+                skipped["set_aside"] += 1
+                continue
             reason = self._skip_reason(
                 entry, len(prompt), min_tokens, ctx_size, quant_bits, reject_different_quant
             )

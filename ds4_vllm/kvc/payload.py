@@ -420,10 +420,15 @@ def parse_payload(buf: Any, base: int, length: int, *, path: PathLike = None) ->
     # Prove the fixed-size sections fit before reading the per-layer counts out of them.
     fixed = PAYLOAD_HEADER_BYTES + 4 * header.n_tokens + 4 * header.n_vocab + 8 * header.n_layer
     if fixed > length:
+        # Blame the word whose section is largest: that is the lie (offsets: words 7, 11, 8).
+        word, name = max(
+            ((7, "n_tokens"), (11, "n_vocab"), (8, "n_layer")),
+            key=lambda w: {7: 4 * header.n_tokens, 11: 4 * header.n_vocab, 8: 8 * header.n_layer}[w[0]],
+        )
         raise KvcFormatError(
             path,
-            base + 28,
-            "payload.n_tokens",
+            base + 4 * word,
+            f"payload.{name}",
             f"tokens ({header.n_tokens}), logits ({header.n_vocab}) and counts ({header.n_layer} layers) "
             f"need {fixed} bytes but the payload has {length}",
         )

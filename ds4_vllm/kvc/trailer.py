@@ -90,12 +90,16 @@ def parse_tool_map(
     *,
     path: str | os.PathLike[str] | None = None,
     strict: bool = True,
+    max_bytes: int | None = None,
 ) -> ToolMap:
     """Parse a trailer found at `buf[start:end]` (offsets are absolute, for error messages).
 
     `strict=True` raises KvcFormatError on any defect (what `verify` wants). `strict=False`
     follows ds4's `kv_tool_map_load_from_pos`: a bad header ignores the trailer, a bad entry
     stops the scan and keeps the entries read so far. Zero bytes always mean "no entries".
+    `max_bytes` bounds the id + DSML bytes copied out of `buf`: an entry that would pass it
+    ends the scan like a bad entry (lenient) or raises (strict), so a huge trailer in a
+    memory-mapped file is never copied whole.
     """
     avail = end - start
     if avail <= 0:
@@ -122,6 +126,7 @@ def parse_tool_map(
     if count * (KTM_ENTRY_HEADER_BYTES + 2) > avail - KTM_HEADER_BYTES:
         fail(start + 4, "ktm.count", f"{count} entries cannot fit in {avail - KTM_HEADER_BYTES} bytes")
     pos = start + KTM_HEADER_BYTES
+    copied = 0
     entries: list[ToolMapEntry] = []
     for i in range(count):
         if end - pos < KTM_ENTRY_HEADER_BYTES:
@@ -135,6 +140,9 @@ def parse_tool_map(
             fail(pos + 4, f"ktm.entry[{i}].dsml_len", f"{dsml_len} is outside 1..{KTM_MAX_DSML_BYTES}")
             break
         body = pos + KTM_ENTRY_HEADER_BYTES
+        if max_bytes is not None and copied + id_len + dsml_len > max_bytes:
+            fail(pos, f"ktm.entry[{i}]", f"entries past this one exceed the {max_bytes}-byte read limit")
+            break
         if body + id_len + dsml_len > end:
             fail(
                 pos,
@@ -148,4 +156,5 @@ def parse_tool_map(
             )
         )
         pos = body + id_len + dsml_len
+        copied += id_len + dsml_len
     return ToolMap(entries=tuple(entries), present=True, nbytes=pos - start)

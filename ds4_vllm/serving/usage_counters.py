@@ -20,7 +20,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ds4_vllm.kvc import ensure_directory
 from ds4_vllm.serving.usage import CacheUsage
+from ds4_vllm.store.fs import write_private_file
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ class UsageCounters:
             if self.directory is None:
                 self._memory = self._memory.plus(cache)
                 return
-            self.directory.mkdir(parents=True, exist_ok=True)
+            ensure_directory(self.directory)  # 0700, as the checkpoint store creates it
             with self._file_lock():
                 totals = self._read().plus(cache)
                 self._write(totals)
@@ -126,9 +128,7 @@ class UsageCounters:
     def _write(self, totals: UsageTotals) -> None:
         path = self.path
         assert path is not None
-        tmp = path.with_name(f".{COUNTERS_FILE}.tmp.{os.getpid()}.{threading.get_ident()}")
-        tmp.write_text(json.dumps(totals.to_json()) + "\n")
-        os.replace(tmp, path)
+        write_private_file(path, (json.dumps(totals.to_json()) + "\n").encode())  # 0600, temp + rename
 
 
 class _Flock:

@@ -12,6 +12,7 @@ import collections
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 #: Token arrays of recently matched files, so repeated lookups do not reopen them.
 TOKEN_CACHE_FILES = 64
+#: Miss reason of a file whose payload dims are not the model's.
+OTHER_SHAPE = "written for another model shape"
 
 
 class LogOnce:
@@ -117,6 +120,9 @@ class Catalog:
         self._dir_version: int | None = None
         self._refreshed_at = -float("inf")
         self._tokens: collections.OrderedDict[tuple[str, int, int], np.ndarray] = collections.OrderedDict()
+        #: Files not to offer again until they change: corrupt ones that could not be moved, and
+        #: files of another model shape. path -> (mtime_ns, size) when set aside.
+        self._aside: dict[Path, tuple[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._index)
@@ -155,23 +161,48 @@ class Catalog:
     ) -> tuple[LookupOutcome | None, LookupOutcome]:
         """(usable file outcome or None, the outcome to report when nothing better turns up).
 
-        A file found corrupt is quarantined and the next best file tried.
+        A file found corrupt is quarantined, one of another model shape is set aside (kept on
+        disk for its owner), and the next best file is tried: a bad file never hides a good one.
         """
-        for _ in range(4):
+        set_aside: LookupOutcome | None = None
+        # Each retry sets one more entry aside (or it vanished), so this ends; the bound is a safety net.
+        for _ in range(len(self._index) + 2):
             result = self._index.lookup(
                 prompt_text,
                 min_tokens=min_tokens,
                 ctx_size=ctx_size,
                 quant_bits=quant_bits,
                 reject_different_quant=reject_different_quant,
+                exclude=self._set_aside_paths(),
             )
             if result.hit is None:
-                return None, LookupOutcome(False, miss_reason(result, len(self._index)))
+                return None, set_aside or LookupOutcome(False, miss_reason(result, len(self._index)))
             outcome = self._match_tokens(result.hit, prompt_tokens, min_tokens)
+            if (
+                outcome is not None
+                and not outcome.hit
+                and outcome.reason
+                and outcome.reason.startswith(OTHER_SHAPE)
+            ):
+                self._set_aside(result.hit)
+                set_aside = set_aside or outcome
+                continue
             if outcome is not None:
                 return (outcome if outcome.hit else None), outcome
             self.refresh(force=True)  # quarantined or vanished: try the next one
         return None, LookupOutcome(False, "corrupt or vanishing files; gave up")
+
+    def _set_aside(self, entry: IndexEntry) -> None:
+        """Keep this version of a file out of lookups (it still counts against the budget)."""
+        self._aside[entry.path] = (entry.mtime_ns, entry.file_size)
+
+    def _set_aside_paths(self) -> set[Path]:
+        """Entries set aside and unchanged since (a rewritten file is looked at again)."""
+        if not self._aside:
+            return set()
+        current = {e.path: (e.mtime_ns, e.file_size) for e in self._index.entries}
+        self._aside = {p: sig for p, sig in self._aside.items() if p in current}
+        return {p for p, sig in self._aside.items() if current[p] == sig}
 
     def _match_tokens(
         self, entry: IndexEntry, prompt_tokens: Sequence[int], min_tokens: int
@@ -185,9 +216,7 @@ class Catalog:
                 with self.fs.open(path) as ck:
                     dims = ck.payload.header.dims
                     if self.model_dims is not None and dims != self.model_dims:
-                        return LookupOutcome(
-                            False, f"written for another model shape {dims}", path=path, sha1=entry.sha1
-                        )
+                        return LookupOutcome(False, f"{OTHER_SHAPE} {dims}", path=path, sha1=entry.sha1)
                     tokens = np.array(ck.payload.tokens, dtype=np.uint32)
             except FileNotFoundError:
                 return None
@@ -218,6 +247,11 @@ class Catalog:
     def quarantine(self, path: str, reason: str) -> bool:
         """Move a bad file out of the scan (DIR/quarantine/); True when it was moved."""
         self._stats.failures += 1
+        # Out of lookups at once, whether or not it can be moved: a bad file that stays
+        # (read-only directory, `quarantine` a link) must not hide the good ones.
+        for entry in self._index.entries:
+            if str(entry.path) == path:
+                self._set_aside(entry)
         try:
             target = self.fs.quarantine(path)
         except FileNotFoundError:

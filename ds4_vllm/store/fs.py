@@ -10,8 +10,11 @@ tests, not for speed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +35,8 @@ from ds4_vllm.kvc import (
     touch_checkpoint,
     write_checkpoint,
 )
-from ds4_vllm.kvc.constants import KV_NAME_RE, KV_SUFFIX, PREFIX_BYTES
+from ds4_vllm.kvc.constants import DIR_MODE, FILE_MODE, KV_NAME_RE, KV_SUFFIX, PREFIX_BYTES
+from ds4_vllm.kvc.file import open_regular_file
 from ds4_vllm.kvc.header import unpack_prefix
 
 from .options import is_local_dir, local_path
@@ -41,6 +45,46 @@ from .options import is_local_dir, local_path
 QUARANTINE_DIR = "quarantine"
 #: Sub-folder of load-lease markers (empty files whose names say who holds which file until when).
 LEASE_DIR = "leases"
+
+#: The small side files (model marker) are a few hundred bytes; a larger one is not ours.
+SMALL_FILE_MAX_BYTES = 1 << 16
+
+
+def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace `path` atomically with `data`, as a file only the owner can read (0600 whatever the umask).
+
+    A fresh temp file is created exclusively beside it (never through a link), written,
+    then renamed over `path`; a link at `path` is replaced, not written through.
+    """
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}.{os.urandom(4).hex()}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as fp:
+            os.fchmod(fp.fileno(), FILE_MODE)
+            fp.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_private_file(path: str | os.PathLike[str], max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes | None:
+    """The bytes of a small regular file, None when absent. Never follows a link, never blocks on a
+    FIFO, never reads more than `max_bytes` (raises OSError EFBIG for a larger file)."""
+    try:
+        fd = open_regular_file(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except KvcFormatError as exc:
+        raise OSError(errno.EINVAL, f"{Path(path).name} {exc.reason}", os.fspath(path)) from None
+    with os.fdopen(fd, "rb") as fp:
+        data = fp.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"{Path(path).name} is larger than {max_bytes} bytes", os.fspath(path))
+    return data
 
 
 class CheckpointFS(Protocol):
@@ -127,20 +171,26 @@ class LocalFS:
         return str(write_checkpoint(self.directory, text, header, payload, tool_map, fsync=self.fsync))
 
     def open(self, path: str) -> Checkpoint:
-        return open_checkpoint(path, check_name=True)
+        return open_checkpoint(path, check_name=True, follow_symlinks=False)
 
     def read_header(self, path: str) -> KvcHeader:
-        return read_prefix(path, with_text=False).header
+        return read_prefix(path, with_text=False, follow_symlinks=False).header
 
     def touch(self, path: str, now: int) -> KvcHeader:
-        return touch_checkpoint(path, now=now)
+        return touch_checkpoint(path, now=now, follow_symlinks=False)
 
     def remove(self, path: str) -> None:
         os.unlink(path)
 
     def quarantine(self, path: str) -> str:
+        """Move `path` into DIR/quarantine/ (created 0700). Refuses (OSError) when `quarantine` is
+        a link or not a directory: a bad file must not be moved out of the store through it."""
         qdir = self.directory / QUARANTINE_DIR
-        qdir.mkdir(mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(qdir, DIR_MODE)
+            os.chmod(qdir, DIR_MODE)
+        if not stat.S_ISDIR(os.lstat(qdir).st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory (links are not followed)", str(qdir))
         target = qdir / Path(path).name
         os.replace(path, target)
         return str(target)
@@ -152,15 +202,10 @@ class LocalFS:
             return None
 
     def read_small(self, name: str) -> bytes | None:
-        try:
-            return (self.directory / name).read_bytes()
-        except FileNotFoundError:
-            return None
+        return read_private_file(self.directory / name)
 
     def write_small(self, name: str, data: bytes) -> None:
-        tmp = self.directory / f".{name}.tmp.{os.getpid()}"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.directory / name)
+        write_private_file(self.directory / name, data)
 
     def put_marker(self, name: str) -> None:
         folder = self.directory / LEASE_DIR

@@ -21,15 +21,18 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import mmap
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ds4_vllm.kvc import ExtFlag, KvcFormatError, ToolMapEntry
-from ds4_vllm.kvc.constants import KTM_MAX_DSML_BYTES, KTM_MAX_ID_BYTES, PREFIX_BYTES
-from ds4_vllm.kvc.file import read_prefix
+from ds4_vllm.kvc.constants import KTM_MAX_DSML_BYTES, KTM_MAX_ID_BYTES, KV_NAME_RE, PREFIX_BYTES
+from ds4_vllm.kvc.file import open_regular_file
+from ds4_vllm.kvc.header import unpack_prefix
 from ds4_vllm.kvc.trailer import parse_tool_map
 
 logger = logging.getLogger(__name__)
@@ -224,11 +227,13 @@ class ToolMemory:
             return 0
         files: list[tuple[int, str, tuple[int, int]]] = []
         for name in names:
-            if not name.endswith(".kv"):
+            if not KV_NAME_RE.match(name):  # only checkpoints: ds4's scan takes <40 hex>.kv alone
                 continue
             try:
-                st = os.stat(self.directory / name)
+                st = os.stat(self.directory / name, follow_symlinks=False)
             except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a link is never followed out of the directory
                 continue
             stamp = (st.st_size, st.st_mtime_ns)
             if self._scanned.get(name) == stamp:
@@ -236,7 +241,7 @@ class ToolMemory:
             files.append((st.st_mtime_ns, name, stamp))
         files.sort()  # oldest first, so the newest files' ids end up the most recent
         for _, name, stamp in files:
-            entries = read_tool_map(self.directory / name)
+            entries = read_tool_map(self.directory / name, max_bytes=self.max_bytes, check_name=True)
             self._scanned[name] = stamp
             for tool_id, dsml in entries or ():
                 self.remember(tool_id, dsml)
@@ -252,21 +257,34 @@ class ToolMemory:
         return self.load_directory()
 
 
-def read_tool_map(path: str | os.PathLike[str]) -> list[tuple[str, str]] | None:
+def read_tool_map(
+    path: str | os.PathLike[str], *, max_bytes: int = TOOL_MEMORY_MAX_BYTES, check_name: bool = False
+) -> list[tuple[str, str]] | None:
     """(id, DSML) pairs of one checkpoint's KTM trailer, read the way ds4's reader reads it (a bad
-    trailer is ignored, a bad entry ends it); None when the file is unreadable or not a checkpoint."""
+    trailer is ignored, a bad entry ends it); None when the file is unreadable or not a checkpoint.
+
+    The file is memory-mapped and at most `max_bytes` of ids and DSML are copied out of it (an
+    entry past that ends the map, as a bad one does), whatever sizes the trailer claims. A link
+    is not followed. With `check_name` (the directory scan) a file whose name is not the SHA-1
+    of its text is not a checkpoint: None.
+    """
     try:
-        prefix = read_prefix(path, with_text=False)
-        if not prefix.header.ext_flags & ExtFlag.TOOL_MAP:
-            return []
-        at = PREFIX_BYTES + prefix.text_bytes + prefix.header.payload_bytes
-        with open(path, "rb") as fp:
-            fp.seek(at)
-            trailer = fp.read()
+        with open(open_regular_file(path, follow_symlinks=False), "rb") as fp:
+            size = os.fstat(fp.fileno()).st_size
+            header, text_bytes = unpack_prefix(fp.read(PREFIX_BYTES), size, path)
+            if check_name and hashlib.sha1(fp.read(text_bytes)).hexdigest() != Path(path).name[:40].lower():
+                logger.debug("tool memory: skipping %s: its name is not the SHA-1 of its text", path)
+                return None
+            if not header.ext_flags & ExtFlag.TOOL_MAP:
+                return []
+            at = PREFIX_BYTES + text_bytes + header.payload_bytes
+            if at >= size:
+                return []
+            with mmap.mmap(fp.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                parsed = parse_tool_map(mm, at, size, path=path, strict=False, max_bytes=max_bytes)
     except (OSError, KvcFormatError) as exc:
         logger.debug("tool memory: skipping %s: %s", path, exc)
         return None
-    parsed = parse_tool_map(trailer, 0, len(trailer), path=path, strict=False)
     out: list[tuple[str, str]] = []
     for entry in parsed.entries:
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -96,8 +97,10 @@ class TraceWriter:
         self._clock = clock
         self._lock = threading.Lock()
         self._failed = False
-        # Line-buffered append: each line reaches the file even if the process dies.
-        self._fp: IO[str] | None = open(path, "a", buffering=1, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
+        # Line-buffered append: each line reaches the file even if the process dies. Created 0600:
+        # a trace quotes prompt text, as private as the checkpoints it explains.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        self._fp: IO[str] | None = open(fd, "a", buffering=1, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
 
     def _stamp(self) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._clock()))

@@ -1,0 +1,1 @@
+"""Coverage-guided fuzzing (atheris) of the KVC parser, the payload reader and the directory scan."""
