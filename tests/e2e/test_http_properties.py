@@ -5,7 +5,7 @@ OpenAPI document (GET /openapi.json), on every route ds4-vllm serves or changes.
 For each operation schemathesis generates schema-conforming bodies (positive) and bodies that
 break the schema (negative); every one is sent. Expected: no answer is a 5xx and the server stays
 up (GET /health after each operation). Generation is kept short by bounding the token counts of
-each body (`bounded`), not by leaving the fields out: the rest of the body is as generated.
+each body (`bounded`: lowered when too high, set when absent); the rest of the body is as generated.
 Hand-written cases for what the generator cannot produce (bodies that are not JSON, invalid UTF-8,
 nesting past Python's limit, 5 MB of tools, prompts over the context) are in
 tests/serving/test_bad_input.py.
@@ -58,12 +58,25 @@ BOUNDS = {
 }
 
 
-def bounded(body: object) -> object:
-    """The body with every integer of `BOUNDS` above its bound lowered to it (other values as
-    generated, so negative and non-integer values still reach the validators)."""
+#: The field that bounds generation on each generating route, set when a case leaves it out
+#: (chat and Responses would otherwise generate up to the whole context: minutes per case).
+LENGTH_FIELD = {
+    "/v1/chat/completions": "max_tokens",
+    "/v1/completions": "max_tokens",
+    "/v1/messages": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+}
+
+
+def bounded(path: str, body: object) -> object:
+    """The body with every integer of `BOUNDS` above its bound lowered to it, and the route's
+    length field set when absent (other values as generated, so negative and non-integer values
+    still reach the validators)."""
     if not isinstance(body, dict):
         return body
     out = dict(body)
+    if path in LENGTH_FIELD and all(out.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
+        out[LENGTH_FIELD[path]] = BOUNDS[LENGTH_FIELD[path]]  # absent or null: vLLM's default is the context
     for key, most in BOUNDS.items():
         value = out.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > most:
@@ -108,7 +121,7 @@ def _run_operation(server: ServerProcess, schema, method: str, path: str) -> tup
         @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
         def send(case) -> None:
             nonlocal sent
-            case.body = bounded(case.body)  # NOT_SET (no body) passes through
+            case.body = bounded(path, case.body)  # NOT_SET (no body) passes through
             response = case.call(base_url=server.base_url, timeout=120)
             sent += 1
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1

@@ -5,8 +5,9 @@
 the time): a long system prompt and tool list, a user task, then turns of the model's answer
 (greedy, 8 tokens), a client-made tool call and its result. The server is stopped with SIGTERM
 and restarted on the same directory between segments of the run; conversations carry on across
-the restarts. The same conversations are first sent to a server without the connector (the
-reference). Expected:
+the restarts. Afterwards every request of the run is sent again, as it was sent and with the same
+concurrency, to a server without the connector (the reference): a wrong answer is then counted
+once, not again in every later turn it would have changed. Expected:
 
 - zero failed requests;
 - zero wrong outputs: every answer equals the reference's answer to the same request;
@@ -110,6 +111,7 @@ class Client:
 @dataclass
 class Run:
     answers: dict = field(default_factory=dict)  # (client, request number) -> (content, finish reason)
+    sent: dict = field(default_factory=dict)  # (client, request number) -> the messages sent
     failures: list = field(default_factory=list)
     samples: list = field(default_factory=list)  # (segment, seconds, disk bytes, largest file, rss bytes)
     requests: int = 0
@@ -118,16 +120,20 @@ class Run:
 
 
 def client_turns(
-    base_url: str, client: Client, count: int, first: int, run: Run, lock: threading.Lock
+    base_url: str, client: Client, count: int, first: int, run: Run, lock: threading.Lock, script: dict | None
 ) -> None:
+    """`count` requests of one client; from `script` ((client, n) -> messages) when given."""
     from openai import OpenAI
 
     api = OpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0, timeout=600)
     for n in range(first, first + count):
+        if script is not None and (client.number, n) not in script:
+            return  # the run being replayed stopped before this request
+        messages = script[(client.number, n)] if script is not None else client.next_messages()
         try:
             response = api.chat.completions.create(
                 model="ds4",
-                messages=client.next_messages(),
+                messages=messages,
                 tools=TOOLS,
                 max_tokens=MAX_TOKENS,
                 temperature=0,
@@ -142,6 +148,7 @@ def client_turns(
         usage = response.usage.model_dump() if response.usage else {}
         with lock:
             run.answers[(client.number, n)] = (content, choice.finish_reason)
+            run.sent[(client.number, n)] = messages
             run.requests += 1
             run.prompt_tokens += usage.get("prompt_tokens", 0)
             run.cache_hit_tokens += usage.get("prompt_cache_hit_tokens", 0)
@@ -192,7 +199,9 @@ def sampler(
         run.samples.append((segment, time.monotonic() - started, disk, largest, server_rss(server)))
 
 
-def soak(args: list[str], log_dir: Path, directory: Path | None, restart: bool) -> Run:
+def soak(
+    args: list[str], log_dir: Path, directory: Path | None, restart: bool, script: dict | None = None
+) -> Run:
     """Run every client's requests in SEGMENTS segments; restart the server between them if asked."""
     run, lock = Run(), threading.Lock()
     clients = [Client(i) for i in range(CLIENTS)]
@@ -211,7 +220,14 @@ def soak(args: list[str], log_dir: Path, directory: Path | None, restart: bool) 
             with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
                 futures = [
                     pool.submit(
-                        client_turns, server.base_url, c, per_segment, segment * per_segment, run, lock
+                        client_turns,
+                        server.base_url,
+                        c,
+                        per_segment,
+                        segment * per_segment,
+                        run,
+                        lock,
+                        script,
                     )
                     for c in clients
                 ]
@@ -233,12 +249,12 @@ def runs(tmp_path_factory) -> dict:
     (base / "reference").mkdir()
     (base / "cached").mkdir()
     started = time.monotonic()
-    reference = soak(COMMON, base / "reference", None, restart=False)
     cached_args = [
         *COMMON, "--kv-connector", "ds4disk", "--kv-disk-dir", str(directory),
         "--kv-disk-space-mb", str(DISK_SPACE_MB), "--kv-cache-min-tokens", "64",
     ]  # fmt: skip
     cached = soak(cached_args, base / "cached", directory, restart=True)
+    reference = soak(COMMON, base / "reference", None, restart=False, script=cached.sent)
     report = figures(reference, cached, time.monotonic() - started)
     print(json.dumps(report, indent=1))
     if os.environ.get("DS4_VLLM_SOAK_REPORT"):
