@@ -79,7 +79,9 @@ RESERVED_TRANSFER_KEYS = ("ds4_tool_ids", "ds4_tool_map", "ds4_disk_tokens")
 MAX_JSON_DEPTH = 256
 #: FastAPI's answer to a body `json.loads` raises other than JSONDecodeError on.
 FASTAPI_UNPARSABLE = b'{"detail":"There was an error parsing the body"}'
-_JSON_STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+#: A string (an unterminated one runs to the end: one linear pass, never a rescan from each escaped
+#: quote inside it), or a bracket.
+_JSON_STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*+"?|[\[\]{}]', re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

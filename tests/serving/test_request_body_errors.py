@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -123,3 +124,12 @@ def test_problem_finders_on_their_own() -> None:
     )
     assert reserved_key_problem(b'{"kv_transfer_params": 5, "ds4_tool_map": 1}') is None
     assert reserved_key_problem(b"ds4_tool_map [") is None  # not JSON: vLLM answers it
+
+
+def test_the_nesting_scan_is_linear_in_the_body() -> None:
+    """An unterminated string full of escaped quotes made the first scan restart at each quote:
+    40 KB took 37 s (measured). Now 4 MB of it takes 0.33 s (measured, load average 28); 5 s is room for more load."""
+    body = b'{"a": 1, "s": "' + b'\\"' * 2_000_000 + b"  [[[["
+    started = time.monotonic()
+    assert unparsable_body_problem(body) is None
+    assert time.monotonic() - started < 5.0
