@@ -48,6 +48,8 @@ MAX_TOKENS = 8
 #: A checkpoint of these conversations is 1.3-1.5 MB: 6 MiB holds four, so 16 clients evict all the time.
 DISK_SPACE_MB = 6
 SAMPLE_SECONDS = 0.5
+#: A start takes 30-40 s on an idle machine; one took over 240 s at load average 83 (seen).
+START_SECONDS = 900
 #: Allowed RSS growth from a segment's second quarter to its last: see the docstring of
 #: `test_memory_is_flat` for what was measured.
 RSS_GROWTH = 0.05
@@ -206,12 +208,12 @@ def soak(
     run, lock = Run(), threading.Lock()
     clients = [Client(i) for i in range(CLIENTS)]
     per_segment = max(1, -(-REQUESTS // (CLIENTS * SEGMENTS)))  # requests per client and segment
-    server = ServerProcess(args, log_dir / "serve-0.log").start()
+    server = ServerProcess(args, log_dir / "serve-0.log").start(timeout=START_SECONDS)
     try:
         for segment in range(SEGMENTS):
             if segment and restart:
                 assert server.stop(signal_number=signal.SIGTERM) is not None
-                server = ServerProcess(args, log_dir / f"serve-{segment}.log").start()
+                server = ServerProcess(args, log_dir / f"serve-{segment}.log").start(timeout=START_SECONDS)
             stop = threading.Event()
             watcher = threading.Thread(
                 target=sampler, args=(server, directory, segment, run, stop), daemon=True
