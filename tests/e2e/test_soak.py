@@ -52,7 +52,7 @@ SAMPLE_SECONDS = 0.5
 START_SECONDS = 900
 #: Allowed RSS growth from a segment's second quarter to its last: see the docstring of
 #: `test_memory_is_flat` for what was measured.
-RSS_GROWTH = 0.05
+RSS_GROWTH = 0.10
 COMMON = ["--model", "ds4", "--max-model-len", "4096", "--dtype", "float32"]
 SYSTEM = "You are a coding agent working in a large repository. " * 20
 TOOLS = [
@@ -322,10 +322,12 @@ def test_disk_use_stays_within_the_budget_plus_one_file(runs) -> None:
 
 
 def test_memory_is_flat(runs) -> None:
-    """RSS_GROWTH (5%): measured growth from the second to the last quarter of each segment in the
-    runs recorded in docs/reliability/http.md (the API server's and engine core's summed RSS, about
-    3 GB) was within +-1%; 5% is far above that noise and far below a leak of one checkpoint or
-    one conversation per request over a segment (which would add tens of MB)."""
+    """RSS_GROWTH (10%): in the run recorded in docs/reliability/http.md (48 requests, 16 per
+    segment, load average 40-90) the summed RSS of the API server, engine core and worker (5.0-5.3
+    GB) moved by +0.0%, +5.3% and -4.5% from the second to the last quarter of the three segments:
+    allocator noise, both ways. 10% is twice that noise; it catches growth of 500 MB per segment,
+    not a small per-request leak, for which the full run (DS4_VLLM_SOAK_REQUESTS=960, 20 requests
+    per client and segment) is the evidence to read."""
     growth = rss_growth(runs["cached"].samples)
     assert growth, "too few RSS samples"
     assert all(g < RSS_GROWTH for g in growth), growth
