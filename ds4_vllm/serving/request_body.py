@@ -134,8 +134,8 @@ async def read_body(receive: Receive) -> bytes:
 
 def reserved_key_problem(body: bytes) -> str | None:
     """What is wrong when a client sends a `kv_transfer_params` key only the server may set."""
-    if b"ds4_" not in body:
-        return None  # the common case costs one byte search
+    if b"ds4_" not in body and b"\\u00" not in body:
+        return None  # one or two byte searches; "\u00XX" could spell the key's ASCII letters
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError):

@@ -123,6 +123,9 @@ def test_problem_finders_on_their_own() -> None:
         f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels at byte offset {deep.index(b'{', 2) + 255}"
     )
     assert reserved_key_problem(b'{"kv_transfer_params": 5, "ds4_tool_map": 1}') is None
+    escaped = b'{"kv\\u005ftransfer_params": {"\\u0064s4\\u005Ftool_map": []}}'  # JSON reads the same keys
+    assert json.loads(escaped) == {"kv_transfer_params": {"ds4_tool_map": []}}
+    assert reserved_key_problem(escaped) is not None
     assert reserved_key_problem(b"ds4_tool_map [") is None  # not JSON: vLLM answers it
 
 
