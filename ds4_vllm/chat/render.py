@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .dsml import parse_tool_calls
 from .json_text import (
     JsonTextError,
     json_string,
@@ -440,14 +442,52 @@ def dsml_tool_calls(calls: Sequence[ToolCall]) -> str:
 
 
 def replayed_dsml(calls: Sequence[ToolCall], replay: Replay | None) -> str | None:
-    """The remembered block when every call id maps to one same block (`tool_memory_attach_to_messages`)."""
+    """The remembered block when every call id maps to one same block (`tool_memory_attach_to_messages`)
+    and that block holds the very calls the client sent back.
+
+    The engine trusts the id alone. Here a block whose calls differ from the client's (other
+    names, other arguments, another count) is not replayed: a client that edits a call, or names
+    an id it did not receive with calls of its own, gets its own calls rendered canonically,
+    never another conversation's sampled bytes.
+    """
     if replay is None or not calls:
         return None
     blocks = {replay(call.id) if call.id else None for call in calls}
     if len(blocks) != 1:
         return None
     block = blocks.pop()
-    return block or None
+    return block if block and _block_holds(block, calls) else None
+
+
+def _argument_texts(arguments: str) -> dict[str, str] | None:
+    """Argument name -> value as text (strings as is, other values as sorted compact JSON)."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return {
+        k: v
+        if isinstance(v, str)
+        else json.dumps(v, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+        for k, v in value.items()
+    }
+
+
+def _block_holds(block: str, calls: Sequence[ToolCall]) -> bool:
+    """Whether a DSML block parses to these calls: same names in order and same argument values
+    (compared as text: the legacy block forms do not say which values are strings)."""
+    parsed = parse_tool_calls(block)
+    if parsed.error is not None or len(parsed.calls) != len(calls):
+        return False
+    for sampled, sent in zip(parsed.calls, calls, strict=True):
+        if sampled.name != sent.name:
+            return False
+        ours = _argument_texts(sampled.arguments)
+        if ours is None or ours != _argument_texts(sent.arguments):
+            return False
+    return True
 
 
 # -- §8.1 chat template -------------------------------------------------------------------------

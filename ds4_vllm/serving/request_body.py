@@ -16,6 +16,15 @@ vLLM's renderer API only receives parsed messages, so the bytes travel beside it
    hands work to a thread (threads do not inherit context variables).
 
 Other ds4 components may read `current_raw_request()` too (e.g. to validate tool-call ids).
+
+The middleware also answers two kinds of bad request itself, with a 400 naming the problem:
+
+- a body whose `kv_transfer_params` holds the keys this server sets for the ds4disk connector
+  (`RESERVED_TRANSFER_KEYS`): on /v1/completions nothing would replace them, and a client could
+  write tool-call ids of its choosing into checkpoint trailers, or choose its own id seed;
+- a body FastAPI cannot parse at all (invalid UTF-8, JSON nested past Python's recursion limit),
+  which FastAPI answers with a bare "There was an error parsing the body": the answer is replaced
+  with what is wrong and at which byte offset (`unparsable_body_problem`), only on that path.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import enum
+import json
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -56,6 +67,21 @@ ROUTES: dict[str, Route] = {
     "/v1/messages/render": Route.ANTHROPIC,
     "/v1/messages/count_tokens": Route.ANTHROPIC,
 }
+
+
+#: Other POST routes that take a generation request (vLLM's SageMaker and batch routes): only the
+#: reserved keys are checked there, the body is not kept.
+CHECKED_ROUTES = frozenset({"/invocations", "/v1/chat/completions/batch"})
+
+#: `kv_transfer_params` keys only the server sets (`ds4_vllm.serving.tool_replay`, the connector).
+RESERVED_TRANSFER_KEYS = ("ds4_tool_ids", "ds4_tool_map", "ds4_disk_tokens")
+#: The engine's JSON_MAX_NESTING (`ds4_vllm.chat.json_text`), named when a body nests deeper.
+MAX_JSON_DEPTH = 256
+#: FastAPI's answer to a body `json.loads` raises other than JSONDecodeError on.
+FASTAPI_UNPARSABLE = b'{"detail":"There was an error parsing the body"}'
+#: A string (an unterminated one runs to the end: one linear pass, never a rescan from each escaped
+#: quote inside it), or a bracket.
+_JSON_STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*+"?|[\[\]{}]', re.DOTALL)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,6 +132,79 @@ async def read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
+def reserved_key_problem(body: bytes) -> str | None:
+    """What is wrong when a client sends a `kv_transfer_params` key only the server may set."""
+    if b"ds4_" not in body and b"\\u00" not in body:
+        return None  # one or two byte searches; "\u00XX" could spell the key's ASCII letters
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # vLLM answers a body that is not JSON
+    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    if not isinstance(params, dict):
+        return None
+    for key in RESERVED_TRANSFER_KEYS:
+        if key in params:
+            return f"kv_transfer_params.{key}: reserved for the server's ds4disk connector; do not send it"
+    return None
+
+
+def unparsable_body_problem(body: bytes) -> str | None:
+    """Why `json.loads` cannot read a body it did not call malformed: invalid UTF-8, or nesting."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"request body: not valid UTF-8 at byte offset {exc.start}"
+    depth = 0
+    for match in _JSON_STRUCTURE.finditer(body):
+        c = match.group()
+        if c in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels at byte offset {match.start()}"
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return None
+
+
+def error_body(route: Route | None, message: str) -> bytes:
+    """A 400 body in the route's own error format (Anthropic's, or OpenAI's)."""
+    if route is Route.ANTHROPIC:
+        error: dict[str, Any] = {"type": "error", "error": {"type": "BadRequestError", "message": message}}
+    else:
+        error = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    return json.dumps(error).encode()
+
+
+async def send_bad_request(send: Send, route: Route | None, message: str) -> None:
+    body = error_body(route, message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def clear_parse_errors(send: Send, route: Route | None, body: bytes) -> Send:
+    """`send`, with FastAPI's bare "error parsing the body" 400 replaced by what is wrong."""
+    held: Message | None = None
+
+    async def send_clear(message: Message) -> None:
+        nonlocal held
+        if message["type"] == "http.response.start" and message.get("status") == 400:
+            held = message  # wait for the body to know whether it is FastAPI's bare answer
+            return
+        if held is not None and message["type"] == "http.response.body":
+            start, held = held, None
+            bare = message.get("body", b"") == FASTAPI_UNPARSABLE and not message.get("more_body", False)
+            problem = unparsable_body_problem(body) if bare else None
+            if problem is not None:
+                await send_bad_request(send, route, problem)
+                return
+            await send(start)
+        await send(message)
+
+    return send_clear
+
+
 class RawRequestBodyMiddleware:
     """ASGI middleware: keeps the raw body of ds4-rendered routes in `RAW_REQUEST` (see module doc)."""
 
@@ -114,10 +213,15 @@ class RawRequestBodyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = route_for(scope)
-        if route is None:
+        if route is None and post_path(scope) not in CHECKED_ROUTES:
             await self.app(scope, receive, send)
             return
         body = await read_body(receive)
+        problem = reserved_key_problem(body)
+        if problem is not None:
+            await send_bad_request(send, route, problem)
+            return
+        send = clear_parse_errors(send, route, body)
         replayed = False
 
         async def receive_again() -> Message:
@@ -127,6 +231,9 @@ class RawRequestBodyMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later calls wait for the disconnect, as before
 
+        if route is None:  # a checked-only route: the body is not rendered by ds4
+            await self.app(scope, receive_again, send)
+            return
         token = RAW_REQUEST.set(RawRequest(route, scope.get("path", ""), body))
         try:
             await self.app(scope, receive_again, send)

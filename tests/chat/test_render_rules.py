@@ -296,9 +296,26 @@ def test_dsml_exact_replay_used_only_when_every_id_maps_to_one_block() -> None:
             },
         ]
     }
-    mixed = chat(body, replay={"c1": block}.get)  # c2 unknown: canonical for the whole turn
-    assert block not in mixed and '<｜DSML｜invoke name="g">' in mixed
-    assert block in chat(body, replay={"c1": block, "c2": block}.get)
+    both = '\n\n<tool_calls>\n<invoke name="f">\n</invoke>\n<invoke name="g">\n</invoke>\n</tool_calls>'
+    mixed = chat(body, replay={"c1": both}.get)  # c2 unknown: canonical for the whole turn
+    assert both not in mixed and '<｜DSML｜invoke name="g">' in mixed
+    assert both in chat(body, replay={"c1": both, "c2": both}.get)
+
+
+def test_dsml_replay_only_of_a_block_holding_the_calls_the_client_sent() -> None:
+    """A remembered id sent back with other calls (edited, or another conversation's id with this
+    client's own arguments) renders the client's calls canonically: never the remembered bytes."""
+    block = '\n\n<tool_calls>\n<invoke name="f">\n<parameter name="x">1</parameter></invoke></tool_calls>'
+    replay = {"c1": block}.get
+    assert _call_text({"x": 1}, replay=replay) == block  # same value: number and string text agree
+    assert _call_text('{"x": "1"}', replay=replay) == block
+    canonical = _call_text({"x": 2}, replay=None)
+    assert _call_text({"x": 2}, replay=replay) == canonical  # other value
+    assert _call_text({"x": 1, "y": 0}, replay=replay) == _call_text({"x": 1, "y": 0})  # extra argument
+    assert _call_text({}, replay=replay) == _call_text({})  # missing argument
+    assert _call_text({"x": 1}, name="g", replay=replay) == _call_text({"x": 1}, name="g")  # other name
+    broken = {"c1": '\n\n<tool_calls>\n<invoke name="f">\n<parameter name="x">1'}.get
+    assert _call_text({"x": 1}, replay=broken) == _call_text({"x": 1})  # not a whole block
 
 
 # -- Anthropic (§8.1 conversion) ----------------------------------------------------------------

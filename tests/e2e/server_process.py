@@ -26,7 +26,7 @@ def vllm_command() -> str:
 
 
 class ServerProcess:
-    """`vllm serve ARGS` with its log in ``log_path``; waits for /health, stops with SIGINT."""
+    """`vllm serve ARGS` with its log in ``log_path``; waits for /health, stops with SIGINT (or another signal)."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
@@ -53,11 +53,12 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"vllm serve not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
-    def stop(self, timeout: float = 60.0) -> int | None:
+    def stop(self, timeout: float = 60.0, signal_number: int = signal.SIGINT) -> int | None:
+        """Stop with `signal_number` (kill after `timeout` s); the exit status, None if never started."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal_number)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -3,15 +3,20 @@
 
 One server (`--tool-memory-max-ids 2`) sees, in order: a probe prompt (cold, then warm); the bad
 requests (malformed tool-call JSON, a tool result answering no call, invalid `stream_options`,
-tool schemas that are not JSON objects or not JSON at all); a conversation with three sampled tool
-calls, one more than the tool memory holds, sent back whole; a call id that differs from a
-remembered one by one character; and the probe prompt again.
+tool schemas that are not JSON objects or not JSON at all); the hostile ones of issue 12 on each
+route we render (chat, completions, Responses, Anthropic messages): a prompt over the context
+size, 5 MB of tool definitions, JSON nested 100,000 deep, invalid UTF-8, connector keys only the
+server may set; a conversation with three sampled tool calls, one more than the tool memory
+holds, sent back whole; a call id that differs from a remembered one by one character; another
+conversation sending variants of a remembered id, and that id with its own arguments; and the
+probe prompt again.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -156,6 +161,77 @@ def bad_requests() -> dict[str, tuple[dict | bytes, str]]:
     }
 
 
+#: The routes we render, with a minimal body each and how its tools are spelled.
+ROUTE_BODIES = {
+    "chat": ("/v1/chat/completions", {"model": "ds4", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    "completions": ("/v1/completions", {"model": "ds4", "max_tokens": 2, "prompt": "hi"}),
+    "responses": ("/v1/responses", {"model": "ds4", "max_output_tokens": 2, "input": "hi"}),
+    "anthropic": ("/v1/messages", {"model": "ds4", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+}  # fmt: skip
+#: 17,000 tokens: over the 4096-token context on its own.
+LONG_TEXT = " ".join(f"w{i}" for i in range(6000))
+#: 100,000 levels: past Python's recursion limit, where FastAPI alone says only "error parsing the body".
+DEEP = 100_000
+
+
+def huge_tools(route: str) -> list[dict]:
+    """5.5 MB of tool definitions in the route's own tool format (800 tools of 40 parameters)."""
+    params = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "d" * 100} for i in range(40)},
+    }
+    out = []
+    for n in range(800):
+        name, description = f"f{n}", "x" * 1000
+        if route == "anthropic":
+            out.append({"name": name, "description": description, "input_schema": params})
+        elif route == "responses":
+            out.append({"type": "function", "name": name, "description": description, "parameters": params})
+        else:
+            out.append(
+                {
+                    "type": "function",
+                    "function": {"name": name, "description": description, "parameters": params},
+                }
+            )
+    return out  # fmt: skip
+
+
+def hostile_requests() -> dict[str, tuple[bytes, str]]:
+    """Issue 12's hostile bodies on each rendered route: name -> (body bytes, path)."""
+    out: dict[str, tuple[bytes, str]] = {}
+    for route, (path, body) in ROUTE_BODIES.items():
+        long_body = json.loads(json.dumps(body).replace('"hi"', json.dumps(LONG_TEXT)))
+        out[f"{route}: prompt over the context size"] = (json.dumps(long_body).encode(), path)
+        if route != "completions":
+            out[f"{route}: 5 MB of tool definitions"] = (
+                json.dumps({**body, "tools": huge_tools(route)}).encode(),
+                path,
+            )
+        deep = json.dumps(body)[:-1].encode() + b', "metadata": ' + b"[" * DEEP + b"]" * DEEP + b"}"
+        out[f"{route}: JSON nested {DEEP} deep"] = (deep, path)
+        out[f"{route}: invalid UTF-8"] = (json.dumps(body).encode().replace(b'"hi"', b'"h\xff\xfei"'), path)
+        planted = {
+            **body,
+            "kv_transfer_params": {"ds4_tool_map": [["call_planted", "<tool_calls></tool_calls>"]]},
+        }
+        out[f"{route}: planted tool map"] = (json.dumps(planted).encode(), path)
+    return out  # fmt: skip
+
+
+#: What each hostile answer must say, by the suffix of its name.
+HOSTILE_ERRORS = {
+    "prompt over the context size": f"maximum context length is {MAX_MODEL_LEN} tokens",
+    "5 MB of tool definitions": f"maximum context length is {MAX_MODEL_LEN} tokens",
+    f"JSON nested {DEEP} deep": "request body: JSON nested deeper than 256 levels at byte offset",
+    "invalid UTF-8": "request body: not valid UTF-8 at byte offset",
+    "planted tool map": "kv_transfer_params.ds4_tool_map: reserved for the server's ds4disk connector",
+}
+#: Every hostile answer came back in under 1 s on an idle machine (the 5 MB bodies: 0.7 s, spent
+#: counting their 2.2 million tokens); 30 s leaves room for a machine loaded 20 times over.
+HOSTILE_SECONDS = 30.0
+
+
 #: What each answer must say: the field (or, for a body that is not JSON, the byte offset).
 EXPECTED_ERRORS = {
     "malformed tool-call arguments": "messages[1].tool_calls[0].function.arguments: not valid JSON",
@@ -187,7 +263,13 @@ def run(tmp_path_factory) -> dict:
         out["errors"] = {
             name: error_of(post(server, body, path)) for name, (body, path) in bad_requests().items()
         }
+        out["hostile"] = {}
+        for name, (body, path) in hostile_requests().items():
+            started = time.monotonic()
+            response = post(server, body, path)
+            out["hostile"][name] = (*error_of(response), time.monotonic() - started)
         out["tool_memory"] = exceed_the_tool_memory(server)
+        out["foreign"] = send_variants_of_another_conversations_id(server)
         out["probe_after"] = ask_probe(server)
         out["health"] = httpx.get(f"{server.base_url}/health", timeout=30).status_code
     finally:
@@ -235,6 +317,81 @@ def exceed_the_tool_memory(server: ServerProcess) -> dict:
         result["requests"][name] = raw
         result["responses"][name] = (response.status_code, response.json())
     return result
+
+
+def send_variants_of_another_conversations_id(server: ServerProcess) -> dict:
+    """Conversation A samples a call; conversation B sends back variants of A's id (a prefix, a
+    longer id, other case) with A's arguments, and A's exact id with B's own arguments. Last, A
+    sends its own call back unchanged: the one request that must replay A's sampled bytes."""
+    talk_a = [{"role": "system", "content": "Agent A."}, {"role": "user", "content": "Read a secret."}]
+    response = post(
+        server,
+        {"model": "ds4", "messages": talk_a, "tools": TOOLS, "max_tokens": 200, **forced(sampled_block(7))},
+    )
+    assert response.status_code == 200, response.text
+    (call,) = response.json()["choices"][0]["message"]["tool_calls"]
+    a_id, a_args = call["id"], call["function"]["arguments"]
+    talk_b = [{"role": "system", "content": "Agent B."}, {"role": "user", "content": "Read a file."}]
+    b_args = json.dumps({"limit": 1, "path": "mine.txt"})
+    variants = {
+        "prefix": (a_id[:-1], a_args, talk_b),
+        "longer": (a_id + "0", a_args, talk_b),
+        "other case": (a_id.upper(), a_args, talk_b),
+        "exact id, other arguments": (a_id, b_args, talk_b),
+        "exact id, A's own call": (a_id, a_args, talk_a),
+    }
+    out: dict = {"id": a_id, "requests": {}, "responses": {}}
+    for name, (tool_id, arguments, talk) in variants.items():
+        body = {
+            "model": "ds4",
+            "messages": [
+                *talk,
+                assistant_call(tool_id, arguments),
+                {"role": "tool", "tool_call_id": tool_id, "content": "r"},
+            ],
+            "tools": TOOLS,
+            "max_tokens": 1,
+            "return_token_ids": True,
+        }
+        raw = json.dumps(body).encode()
+        response = post(server, raw)
+        out["requests"][name] = raw
+        out["responses"][name] = (response.status_code, response.json())
+    return out  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(hostile_requests()))
+def test_hostile_input_gets_a_4xx_naming_the_problem_quickly(run, name) -> None:
+    status, message, seconds = run["hostile"][name]
+    assert status == 400, (status, message)
+    assert HOSTILE_ERRORS[name.split(": ", 1)[1]] in message
+    assert seconds < HOSTILE_SECONDS
+
+
+def test_sampled_tool_call_ids_are_long_random_and_distinct(run) -> None:
+    ids = [*run["tool_memory"]["ids"], run["foreign"]["id"]]
+    assert all(re.fullmatch("call_[0-9a-f]{32}", i) for i in ids), ids  # 128 bits (see test_tool_memory)
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize(
+    "name", ["prefix", "longer", "other case", "exact id, other arguments", "exact id, A's own call"]
+)
+def test_another_conversations_dsml_is_replayed_only_for_its_exact_id_and_call(run, name) -> None:
+    foreign = run["foreign"]
+    status, body = foreign["responses"][name]
+    assert status == 200, body
+    text = default_tokenizer().decode_bytes(body["prompt_token_ids"]).decode("utf-8")
+    if name == "exact id, A's own call":
+        replay = {foreign["id"]: sampled_block(7)}.get
+        assert sampled_block(7) in text
+    else:
+        replay = None  # rendered canonically: not a byte of A's sampled block
+        assert sampled_block(7) not in text
+    if name == "exact id, other arguments":
+        assert "file_7.txt" not in text  # nothing of A's call reaches B's prompt
+    expected = render_chat_completion(foreign["requests"][name], ctx_size=MAX_MODEL_LEN, replay=replay)
+    assert text == expected.text
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_ERRORS))

@@ -83,6 +83,23 @@ def test_ids_are_derived_unguessable_and_distinct() -> None:
     assert all(len({i[5 + k] for i in ids}) == 16 for k in range(32))
 
 
+def test_every_id_bit_is_a_fair_coin() -> None:
+    """Issue 12: ids cannot be guessed. Over 20,000 ids from fresh seeds (one per request, as the
+    server makes them) and 20,000 seedless ids, each of the 128 bits is set in 50% of ids within
+    5 standard deviations (sd = sqrt(0.25 / 20000) = 0.0035, so +-0.018): a counter, a clock or
+    a short seed would fail this; `secrets` (the OS CSPRNG) passes. Measured in one run: shares 0.4897-0.5117."""
+    n = 20_000
+    for ids in (
+        [tool_call_id(new_seed(), BLOCK_A, 0) for _ in range(n)],
+        [random_tool_id() for _ in range(n)],
+    ):
+        assert len(set(ids)) == n and all(len(i) == len("call_") + 32 for i in ids)
+        values = [int(i[5:], 16) for i in ids]
+        for bit in range(128):
+            share = sum((v >> bit) & 1 for v in values) / n
+            assert abs(share - 0.5) < 5 * (0.25 / n) ** 0.5, (bit, share)
+
+
 def test_writer_scan_finds_blocks_like_the_engine() -> None:
     text = ("x" + BLOCK_A + " y <tool_calls>z</tool_calls>" + BLOCK_B + "<｜DSML｜tool_calls>open").encode()
     spans = find_tool_blocks(text)
