@@ -90,22 +90,22 @@ class SystemSpec:
 SYSTEMS: dict[str, SystemSpec] = {
     s.name: s
     for s in (
-        SystemSpec("memory", "vLLM's in-memory prefix cache only (no connector)", lambda d: []),
         SystemSpec(
             "ds4disk",
             "ds4disk connector + vLLM's in-memory prefix cache",
             lambda d: ["--kv-connector", "ds4disk", "--kv-disk-dir", str(d)],
         ),
-        SystemSpec(
-            "offloading",
-            "vLLM OffloadingConnector (TieringOffloadingSpec: CPU + file-system tier)",
-            lambda d: ["--kv-transfer-config", _offloading_config(d)],
-        ),
+        SystemSpec("memory", "vLLM's in-memory prefix cache only (no connector)", lambda d: []),
         SystemSpec(
             "single-session",
             "ds4 engine policy: ds4disk with no in-memory prefix cache, so only the running "
             "conversation is resident and every other one comes back from its evict file",
             lambda d: ["--kv-connector", "ds4disk", "--kv-disk-dir", str(d), "--no-enable-prefix-caching"],
+        ),
+        SystemSpec(
+            "offloading",
+            "vLLM OffloadingConnector (TieringOffloadingSpec: CPU + file-system tier)",
+            lambda d: ["--kv-transfer-config", _offloading_config(d)],
         ),
     )
 }
@@ -174,7 +174,7 @@ def scrape_counters(base_url: str) -> dict[str, float]:
         text = response.read().decode()
     totals: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:ds4disk_"):
+        if line.startswith("vllm:ds4disk_") and "_created" not in line:
             name = re.split(r"[{ ]", line, maxsplit=1)[0].removeprefix("vllm:ds4disk_")
             totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
@@ -650,16 +650,23 @@ def run_report(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("quick", "full"))
-    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument(
+        "--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS)
+    )  # run in this order
     parser.add_argument("--no-parts", action="store_true", help="skip the optional parts")
     parser.add_argument("--out", type=Path, help="results folder (default results/<date>)")
     parser.add_argument("--seed", type=int, help="traffic seed (default 11)")
+    parser.add_argument(
+        "--work", type=Path, help="keep server logs and cache folders here (default: a temp dir)"
+    )
     args = parser.parse_args(argv)
     config = QUICK if args.mode == "quick" else FULL
     if args.seed is not None:
         config = dataclasses.replace(config, seed=args.seed)
     out = args.out or RESULTS_ROOT / datetime.date.today().isoformat()
-    report = run_report(out, config, mode=args.mode, systems=args.systems, parts=not args.no_parts)
+    report = run_report(
+        out, config, mode=args.mode, systems=args.systems, parts=not args.no_parts, work=args.work
+    )
     print((out / "report.md").read_text())
     print(f"wrote {out}/report.json, report.md and plots")
     return 0 if report else 1
