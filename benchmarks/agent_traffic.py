@@ -13,7 +13,8 @@ turn, then the tool results (a few hundred bytes to tens of KB). That is what a 
 history holds: the model's own output, its tool calls, their results. The plan fixes everything
 but the replies; at temperature 0 on one model those are the same on every run and system.
 
-Every request streams (`stream_options.include_usage`): time to first token is measured at the
+Requests run in non-thinking mode (`chat_template_kwargs.thinking = false`), so the reply is
+visible text. Every request streams (`stream_options.include_usage`): time to first token is measured at the
 first chunk that carries text, decode tokens/s from the chunks after it, and the cache fields come
 from the final usage chunk (`prompt_tokens_details.cached_tokens` and ds4's
 `prompt_cache_hit_tokens` / `prompt_cache_miss_tokens` / `prompt_cache_disk_tokens`).
@@ -321,6 +322,10 @@ def send(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        # Non-thinking mode, as agents run tool loops: the reply is visible text that goes back
+        # into the history verbatim (in thinking mode 16 tokens are all hidden reasoning, which
+        # ds4's template drops from earlier turns, so the history would not extend the prompt).
+        extra_body={"chat_template_kwargs": {"thinking": False}},
     )
     first = last = None
     parts: list[str] = []
@@ -331,7 +336,10 @@ def send(
             usage = chunk.usage.model_dump()
         for choice in chunk.choices:
             text = choice.delta.content or ""
-            if text or choice.delta.tool_calls:
+            hidden = getattr(choice.delta, "reasoning_content", None) or getattr(
+                choice.delta, "reasoning", None
+            )
+            if text or hidden or choice.delta.tool_calls:
                 first = now if first is None else first
                 last = now
                 parts.append(text)
