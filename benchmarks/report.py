@@ -250,20 +250,23 @@ def run_system(spec: SystemSpec, config: TrafficConfig, work: Path, progress: An
         if progress is not None:
             progress.update(len(plan))
         return result
+    records: list[RequestRecord] = []
+
+    def after_request(record: RequestRecord) -> None:
+        records.append(record)
+        sampler.sample()
+
     with DiskSampler(disk) as sampler:
         try:
-            records = run_traffic(
-                base_url,
-                plan,
-                config,
-                restart=restart,
-                after_request=lambda _r: sampler.sample(),
-                progress=progress,
+            run_traffic(
+                base_url, plan, config, restart=restart, after_request=after_request, progress=progress
             )
             stop_current()
         except ServerStartError as exc:
+            # keep what ran before the failed restart; the summary says the run is partial
             result["error"] = exc.summary()
-            return result
+            if progress is not None:
+                progress.update(len(plan) - len(records))
         finally:
             for server in servers:
                 server.stop()
@@ -335,7 +338,7 @@ def _ttft(records: list[RequestRecord]) -> dict[str, float | None]:
 
 def summarize(raw: dict[str, Any], config: TrafficConfig) -> dict[str, Any]:
     """Per-system figures from its raw records, counters and disk samples."""
-    if "error" in raw:
+    if "records" not in raw or not raw["records"]:
         return {"error": raw["error"]}
     records = [RequestRecord(**r) for r in raw["records"]]
     warm = warm_up_indices(config)
@@ -354,7 +357,11 @@ def summarize(raw: dict[str, Any], config: TrafficConfig) -> dict[str, Any]:
     }
     bytes_written = counters.get("bytes_written_total", 0.0)
     bytes_read = counters.get("bytes_read_total", 0.0)
+    partial = (
+        {"error": raw["error"], "partial": "only the requests before the error ran"} if "error" in raw else {}
+    )
     return {
+        **partial,
         "requests": len(records),
         "ttft": _ttft(records),
         "ttft_after_warm_up": _ttft(after_warm),
@@ -399,7 +406,7 @@ def checks(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "goal": f">= {MIN_HIT_RATE}",
             "met": disk["hit_rate_after_warm_up"] >= MIN_HIT_RATE,
         }
-    if "ttft" in disk and "ttft" in mem:
+    if "ttft" in disk and "ttft" in mem and "error" not in mem and "error" not in disk:
         a, b = disk["ttft_phase"]["1"]["median_s"], mem["ttft_phase"]["1"]["median_s"]
         c, d = disk["ttft_first_after_restart"]["median_s"], mem["ttft_first_after_restart"]["median_s"]
         out["beats_memory_across_restart"] = {
@@ -413,7 +420,7 @@ def checks(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "goal": f">= {MIN_DECODE_RATIO}",
             "met": dec is not None and dec >= MIN_DECODE_RATIO,
         }
-    if "ttft" in disk and "ttft" in single:
+    if "ttft" in disk and "ttft" in single and "error" not in single and "error" not in disk:
         phases = {
             ph: _ratio(single["ttft_phase"][ph]["median_s"], disk["ttft_phase"][ph]["median_s"])
             for ph in ("0", "1")
@@ -500,7 +507,7 @@ def _cell(v: Any) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     summaries = report["agent_traffic"]["systems"]
-    ran = {k: v for k, v in summaries.items() if "error" not in v}
+    ran = {k: v for k, v in summaries.items() if "requests" in v}
     rows = [
         ("TTFT median / p90 (s)", lambda s: f"{_cell(s['ttft']['median_s'])} / {_cell(s['ttft']['p90_s'])}"),
         (
@@ -553,7 +560,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("")
     for name, s in summaries.items():
         if "error" in s:
-            lines.append(f"**{name}** did not run: {s['error']['message']}")
+            what = "stopped early (partial figures above)" if "requests" in s else "did not run"
+            lines.append(f"**{name}** {what}: {s['error']['message']}")
             lines += [f"    {ln}" for ln in s["error"]["error_lines"]]
             lines.append("")
     lines += ["### Goals", "", "| goal | measured | met |", "|---|---|---|"]
