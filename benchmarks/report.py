@@ -1,7 +1,7 @@
 """One benchmark report (issue 11): agent traffic against four prefix-cache set-ups, plus optional parts.
 
     python benchmarks/report.py quick    # a few minutes: 3 conversations, 4 rounds
-    python benchmarks/report.py full     # 4 conversations, 8 rounds (about 15 min here)
+    python benchmarks/report.py full     # 4 conversations, 8 rounds (over an hour at load 40+)
     python benchmarks/report.py quick --systems ds4disk memory --no-parts
 
 Both write `benchmarks/results/<YYYY-MM-DD>/` (or `--out DIR`): `report.json` (every figure,
