@@ -1,6 +1,6 @@
 """One benchmark report (issue 11): agent traffic against four prefix-cache set-ups, plus optional parts.
 
-    python benchmarks/report.py quick    # a few minutes: 3 conversations, 4 rounds
+    python benchmarks/report.py quick    # 3 conversations, 4 rounds (35 min at load 50-80, 8 server starts)
     python benchmarks/report.py full     # 4 conversations, 8 rounds (over an hour at load 40+)
     python benchmarks/report.py quick --systems ds4disk memory --no-parts
 
