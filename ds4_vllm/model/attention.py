@@ -18,7 +18,6 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheLayer, Ds4CacheMetadata
@@ -135,38 +134,55 @@ class Indexer(nn.Module):
         q_res: torch.Tensor,
         y: torch.Tensor,
         positions: torch.Tensor,
-        request: int,
-        count: int,
-        metadata: dict,
-    ) -> torch.Tensor:
-        """Boolean [queries, count]: which compressed rows each query attends to."""
-        keys = self.compressor.rows(metadata, request, count, y.device).float()
+        keys: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices [queries, k], valid [queries, k]): the compressed rows each query attends to.
+
+        ``keys`` are this request's indexer rows 0..count-1 (float32), read once per step.
+        """
+        count = keys.shape[0]
         q = self.q_b_proj(q_res).view(-1, self.n_heads, self.head_dim)
         q = self.rope(q, positions)
         if self.official_numerics:
             q = indexer_qat(q)
         q = q.float()
-        scores = F.relu(torch.einsum("thd,cd->thc", q, keys)) * self.head_dim**-0.5
+        # [t, h, c] scores, then the weighted sum over heads as one batched matmul: in place, so
+        # the largest tensor of a long prefill is written once and read twice.
+        scores = torch.einsum("thd,cd->thc", q, keys).relu_().mul_(self.head_dim**-0.5)
         weights = self.scorer.weights_proj(y).float() * self.n_heads**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
+        scores = torch.bmm(weights.unsqueeze(1), scores).squeeze(1)
         visible = torch.arange(count, device=y.device)[None, :] < ((positions + 1) // 4)[:, None]
         return select_top_rows(scores, visible, self.topk)
 
 
-def select_top_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
-    """Boolean [queries, rows]: the ``topk`` best-scoring visible rows of each query (all if fewer).
+def select_top_rows(
+    scores: torch.Tensor, visible: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices [queries, k], valid [queries, k]): the ``topk`` best-scoring visible rows of each query.
 
-    Ties go to earlier rows, as in ds4's selection loop (strict ``>`` scanning rows in order).
-    A stable sort gives that order whatever the number of rows, so the choice does not depend
-    on how vLLM chunks a prefill (torch.topk's tie order depends on the tensor's shape).
+    With fewer than ``topk`` rows, every row is listed and ``valid`` is ``visible``. Ties go to
+    earlier rows, as in ds4's selection loop (strict ``>`` scanning rows in order), so the choice
+    does not depend on how vLLM chunks a prefill: torch.topk picks the set, and only queries
+    whose k-th best score is tied with an unpicked row are redone by row order.
     """
-    if scores.shape[-1] <= topk:
-        return visible
+    n_queries, count = scores.shape
+    if count <= topk:
+        rows = torch.arange(count, device=scores.device).expand(n_queries, count)
+        return rows, visible
     scores = scores.masked_fill(~visible, NEG_INF)
-    top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
-    chosen = torch.zeros_like(visible)
-    chosen.scatter_(1, top, True)
-    return chosen & visible
+    best, indices = scores.topk(topk, dim=-1)
+    kth = best[:, -1:]
+    # A query whose k-th score is -inf sees fewer than topk rows: all of them are picked.
+    tied = (kth[:, 0] > NEG_INF) & ((scores == kth).sum(-1) > (best == kth).sum(-1))
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(-1)
+        s, k = scores[rows], kth[rows]
+        above = s > k
+        ties = s == k
+        need = topk - above.sum(-1, keepdim=True)
+        chosen = above | (ties & (ties.cumsum(-1) <= need))
+        indices[rows] = chosen.nonzero()[:, 1].view(-1, topk)
+    return indices, best > NEG_INF
 
 
 class Ds4Attention(nn.Module):
@@ -242,7 +258,14 @@ class Ds4Attention(nn.Module):
                 self.compressor.indexer.compressor.update(y, positions, plan, metadata)
 
         out = torch.empty_like(q)
-        for request, queries, first_pos, _ in plan.requests():
+        for request, queries, first_pos, seq_len in plan.requests():
+            # Compressed rows (and indexer rows) are read once per request and step, not per block.
+            comp_keys = index_keys = None
+            if self.compressor is not None and seq_len // self.ratio:
+                comp_keys = self.compressor.rows(metadata, request, seq_len // self.ratio, q.device).float()
+                if self.ratio == 4:
+                    indexer = self.compressor.indexer
+                    index_keys = indexer.compressor.rows(metadata, request, seq_len // 4, q.device).float()
             # Query blocks bound the work and memory to block x (window + compressed rows).
             for start in range(queries.start, queries.stop, QUERY_BLOCK):
                 block = slice(start, min(start + QUERY_BLOCK, queries.stop))
@@ -257,33 +280,47 @@ class Ds4Attention(nn.Module):
                     block_first,
                     block_end,
                     swa_meta,
-                    metadata,
+                    comp_keys,
+                    index_keys,
                 )
         return out
 
     def _attend_block(
-        self, q, q_res, y, q_pos, request, first_pos, end_pos, swa_meta, metadata
+        self, q, q_res, y, q_pos, request, first_pos, end_pos, swa_meta, comp_keys, index_keys
     ) -> torch.Tensor:
-        """Attention of queries at positions [first_pos, end_pos) of one request."""
+        """Attention of queries at positions [first_pos, end_pos) of one request.
+
+        Keys: the raw window (masked per query), then either every compressed row visible to
+        the block (ratio 128) or, on ratio-4 layers, the rows the indexer picked for each query,
+        gathered per query so that the work per query is bounded by ``index_topk``.
+        """
         key_start = max(0, first_pos - self.window + 1)
         key_pos = torch.arange(key_start, end_pos, device=q.device)
-        keys = self.swa_cache.read(swa_meta, torch.full_like(key_pos, request), key_pos)
+        keys = self.swa_cache.read(swa_meta, torch.full_like(key_pos, request), key_pos).float()
         rel = q_pos[:, None] - key_pos[None, :]
         mask = (rel >= 0) & (rel < self.window)
-        if self.compressor is not None:
-            count = end_pos // self.ratio
-            if count:
-                keys = torch.cat([keys, self.compressor.rows(metadata, request, count, q.device)], dim=0)
-                if self.ratio == 4:
-                    comp_mask = self.compressor.indexer.select(q_res, y, q_pos, request, count, metadata)
-                else:
-                    comp_mask = (
-                        torch.arange(count, device=q.device)[None, :] < ((q_pos + 1) // self.ratio)[:, None]
-                    )
-                mask = torch.cat([mask, comp_mask], dim=1)
-        keys = keys.float()
-        logits = torch.einsum("thd,kd->thk", q.float(), keys) * self.head_dim**-0.5
+        qf = q.float()
+        scale = self.head_dim**-0.5
+        logits = torch.einsum("thd,kd->thk", qf, keys) * scale
         logits = logits.masked_fill(~mask[:, None, :], NEG_INF)
+        count = end_pos // self.ratio if self.compressor is not None else 0
+        picked = None
+        if count and self.ratio == 4:
+            indices, valid = self.compressor.indexer.select(q_res, y, q_pos, index_keys[:count])
+            picked = comp_keys[indices]  # [t, k, d]
+            comp_logits = torch.einsum("thd,tkd->thk", qf, picked) * scale
+            logits = torch.cat([logits, comp_logits.masked_fill(~valid[:, None, :], NEG_INF)], dim=-1)
+        elif count:
+            comp = comp_keys[:count]
+            comp_mask = torch.arange(count, device=q.device)[None, :] < ((q_pos + 1) // self.ratio)[:, None]
+            comp_logits = torch.einsum("thd,kd->thk", qf, comp) * scale
+            logits = torch.cat([logits, comp_logits.masked_fill(~comp_mask[:, None, :], NEG_INF)], dim=-1)
         sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("thk,kd->thd", probs, keys).to(q.dtype)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)
+        window_keys = keys.shape[0]
+        out = torch.einsum("thk,kd->thd", probs[..., :window_keys], keys)
+        if picked is not None:
+            out = out + torch.einsum("thk,tkd->thd", probs[..., window_keys:-1], picked)
+        elif count:
+            out = out + torch.einsum("thk,kd->thd", probs[..., window_keys:-1], comp)
+        return out.to(q.dtype)

@@ -170,15 +170,32 @@ def test_indexer_qat_preserves_scores_up_to_fp4_noise():
 # ---- Top-k selection ------------------------------------------------------------------------
 
 
+def _chosen(indices: torch.Tensor, valid: torch.Tensor, query: int) -> list[int]:
+    return sorted(indices[query][valid[query]].tolist())
+
+
 def test_top_rows_ties_go_to_earlier_rows_whatever_the_row_count():
     for rows in (9, 40, 700):
-        scores = torch.zeros(2, rows)
+        scores = torch.zeros(3, rows)
         scores[0, rows - 1] = 1.0  # one clear winner, then all ties
-        visible = torch.ones(2, rows, dtype=torch.bool)
+        scores[2, 5:9] = torch.tensor([4.0, 3.0, 2.0, 1.0])  # no ties: torch.topk's own pick
+        visible = torch.ones(3, rows, dtype=torch.bool)
         visible[1, :3] = False  # invisible rows never count
-        chosen = attention.select_top_rows(scores, visible, topk=4)
-        assert chosen[0].nonzero().flatten().tolist() == [0, 1, 2, rows - 1]
-        assert chosen[1].nonzero().flatten().tolist() == [3, 4, 5, 6]
+        indices, valid = attention.select_top_rows(scores, visible, topk=4)
+        assert _chosen(indices, valid, 0) == [0, 1, 2, rows - 1]
+        assert _chosen(indices, valid, 1) == [3, 4, 5, 6]
+        assert _chosen(indices, valid, 2) == [5, 6, 7, 8]
+
+
+def test_top_rows_of_a_query_that_sees_fewer_rows_than_topk_are_all_its_rows():
+    scores = torch.arange(12.0).flip(0)[None].expand(2, 12).clone()
+    visible = torch.arange(12)[None, :] < torch.tensor([[2], [12]])
+    indices, valid = attention.select_top_rows(scores, visible, topk=4)
+    assert _chosen(indices, valid, 0) == [0, 1]
+    assert _chosen(indices, valid, 1) == [0, 1, 2, 3]
+    # With no more rows than topk, every row is listed and validity is visibility.
+    indices, valid = attention.select_top_rows(scores[:, :3], visible[:, :3], topk=4)
+    assert indices.tolist() == [[0, 1, 2], [0, 1, 2]] and valid.tolist() == visible[:, :3].tolist()
 
 
 # ---- The switch ---------------------------------------------------------------------------

@@ -1,0 +1,465 @@
+"""Prefill scaling and the batch-1 decode step of `Ds4ForCausalLM`, against arithmetic (issue 11).
+
+    .venv/bin/python benchmarks/model_scaling.py --quick          # 2k and 8k, a few minutes
+    .venv/bin/python benchmarks/model_scaling.py --full           # 2k, 8k, 32k (+ reference at 8k)
+    .venv/bin/python benchmarks/model_scaling.py --quick --model /path/to/slice-model
+
+Writes ``model_scaling.json`` and ``model_scaling_prefill.png`` into ``--results-dir``
+(default ``benchmarks/results/<YYYY-MM-DD>/``). The report builder calls `run` directly.
+
+- **Prefill scaling**: the model run directly (no engine: paged caches and metadata built by
+  hand, as in tests/model/direct_model.py), in steps of ``CHUNK`` tokens as vLLM's scheduler
+  chunks a prefill (``max_num_batched_tokens`` = 2,048 in the benchmarks). Median of
+  ``repeats`` runs per length, next to `arithmetic.prefill_flops` with the same chunking; the
+  8k→32k (quick: 2k→8k) time ratio is reported next to the predicted FLOP ratio.
+- **Engine**: time to first token of a ``max_tokens=1`` request in `LLM` (prefill tokens/s) and
+  the batch-1 decode step, split into our model's work (``Ds4ForCausalLM.forward`` +
+  ``compute_logits``, timed inside the worker) and the rest of vLLM's step (scheduler, input
+  preparation, sampler, output processing). The engine core runs in-process for this
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the timer sees the worker's calls; on CPU every
+  op is synchronous, so perf_counter around the forward is its compute time.
+- **Reference**: transformers' eager `DeepseekV4ForCausalLM` on the same weights (default model
+  only), prefill and decode, up to ``--max-reference-tokens``.
+
+Times depend on the machine's load (recorded per measurement); read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from arithmetic import prefill_flops, prefill_flops_by_component, token_flops
+from reporting import RESULTS_DIR, machine_info, make_engine, random_prompts, shutdown_engine, timed_generate
+
+CHUNK = 2048  # vLLM's max_num_batched_tokens in these benchmarks (and the ds4 engine's chunk)
+QUICK_LENGTHS = (2048, 8192)
+FULL_LENGTHS = (2048, 8192, 32768)
+LONGEST_FULL = 131072  # asked for; run only where the model's position limit allows it
+DECODE_CONTEXT = 2048
+DECODE_TOKENS = 33
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def median_of(fn: Callable[[], float], repeats: int) -> tuple[float, list[float]]:
+    runs = [fn() for _ in range(repeats)]
+    return statistics.median(runs), runs
+
+
+# ------------------------------------------------------------------------------ direct prefill
+
+
+def load_config(model: str) -> Any:
+    from ds4_vllm.model.config import Ds4Config
+    from ds4_vllm.model.default_model import default_model_dir
+
+    path = default_model_dir() if model == "ds4" else Path(model)
+    return Ds4Config.from_pretrained(str(path)), path
+
+
+def build_direct_model(model: str) -> tuple[Any, Any]:
+    """(`Ds4ForCausalLM` outside an engine, its config) for the default model or a model directory."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from ds4_vllm.model.model import Ds4ForCausalLM
+
+    config, path = load_config(model)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.float32))
+    with set_current_vllm_config(VllmConfig()):  # a fresh registry of cache-layer names
+        net = Ds4ForCausalLM(vllm_config=vllm_config)
+    for file in sorted(Path(path).glob("*.safetensors")):
+        net.load_weights(load_file(str(file)).items())
+    return net.eval(), config
+
+
+def chunked_prefill(net: Any, token_ids: Any, chunk: int = CHUNK) -> Any:
+    """Final hidden state of the last token after prefilling ``token_ids`` in steps of ``chunk``."""
+    import torch
+
+    from ds4_vllm.model.cache_layers import Ds4CacheLayer, Ds4CacheMetadata
+    from tests.model.direct_model import bind_caches
+
+    n = int(token_ids.shape[0])
+    bind_caches(net, n)  # zeroed caches for the whole prompt, blocks 1.. in order
+    layers = [m for m in net.modules() if isinstance(m, Ds4CacheLayer)]
+    hidden = None
+    with torch.no_grad():
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            metadata = {
+                layer.prefix: Ds4CacheMetadata(
+                    block_table=torch.arange(1, layer.kv_cache.shape[0], dtype=torch.int32)[None],
+                    block_size=layer.spec.block_size,
+                    query_start_loc=torch.tensor([0, end - start]),
+                    seq_lens=torch.tensor([end]),
+                    num_reqs=1,
+                )
+                for layer in layers
+            }
+            hidden = net.model(token_ids[start:end], torch.arange(start, end), None, metadata)
+    return hidden[-1]
+
+
+def prefill_scaling(
+    net: Any, config: Any, lengths: Sequence[int], repeats: int, chunk: int = CHUNK
+) -> dict[str, Any]:
+    """Median prefill seconds per length against the arithmetic model, and the length ratios."""
+    import torch
+
+    chunked_prefill(net, torch.randint(1000, 100000, (min(lengths),)), chunk)  # warm-up
+    rows = {}
+    for n in lengths:
+        prompts = iter(random_prompts([n] * repeats, seed=n))
+
+        def once(prompts: Iterator[list[int]] = prompts) -> float:
+            ids = torch.tensor(next(prompts))
+            t0 = time.perf_counter()
+            chunked_prefill(net, ids, chunk)
+            return time.perf_counter() - t0
+
+        load = load_average()
+        seconds, runs = median_of(once, repeats)
+        flops = prefill_flops(config, n, chunk)
+        rows[str(n)] = {
+            "seconds": seconds,
+            "runs_s": runs,
+            "tokens_per_s": n / seconds,
+            "flops": flops,
+            "gflops_per_s": flops / seconds / 1e9,
+            "flops_by_component": prefill_flops_by_component(config, n, chunk),
+            "load_average_1m": load,
+        }
+        print(
+            f"  prefill {n}: {seconds:.2f} s (runs {[round(r, 2) for r in runs]}), load {load:.1f}",
+            flush=True,
+        )
+    ratios = {}
+    for a, b in zip(lengths, lengths[1:], strict=False):
+        ra, rb = rows[str(a)], rows[str(b)]
+        ratios[f"{a}->{b}"] = {
+            "measured_time_ratio": rb["seconds"] / ra["seconds"],
+            "predicted_flop_ratio": rb["flops"] / ra["flops"],
+        }
+    return {"chunk": chunk, "repeats": repeats, "lengths": rows, "ratios": ratios}
+
+
+# ------------------------------------------------------------------------------ engine
+
+
+class ModelTimer:
+    """Times ``Ds4ForCausalLM.forward`` and ``compute_logits`` inside an in-process engine.
+
+    Calls are split by the number of tokens they carry: one token is a batch-1 decode step.
+    """
+
+    def __init__(self) -> None:
+        self.decode_s = 0.0
+        self.decode_calls = 0
+        self.other_s = 0.0
+
+    def reset(self) -> None:
+        self.decode_s, self.decode_calls, self.other_s = 0.0, 0, 0.0
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[ModelTimer]:
+        from ds4_vllm.model.model import Ds4ForCausalLM
+
+        forward, logits = Ds4ForCausalLM.forward, Ds4ForCausalLM.compute_logits
+        timer = self
+
+        def timed_forward(model, input_ids, positions, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = forward(model, input_ids, positions, *args, **kwargs)
+            timer._add(positions.shape[0], time.perf_counter() - t0, count=True)
+            return out
+
+        def timed_logits(model, hidden_states):
+            t0 = time.perf_counter()
+            out = logits(model, hidden_states)
+            timer._add(hidden_states.shape[0], time.perf_counter() - t0, count=False)
+            return out
+
+        Ds4ForCausalLM.forward, Ds4ForCausalLM.compute_logits = timed_forward, timed_logits
+        try:
+            yield self
+        finally:
+            Ds4ForCausalLM.forward, Ds4ForCausalLM.compute_logits = forward, logits
+
+    def _add(self, tokens: int, seconds: float, count: bool) -> None:
+        if tokens == 1:
+            self.decode_s += seconds
+            self.decode_calls += int(count)
+        else:
+            self.other_s += seconds
+
+
+@contextlib.contextmanager
+def in_process_engine_core() -> Iterator[None]:
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    old = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+def engine_measurements(
+    model: str, config: Any, lengths: Sequence[int], repeats: int, decode_context: int, decode_tokens: int
+) -> dict[str, Any]:
+    """Engine prefill (TTFT) per length and the batch-1 decode step with our model's share."""
+    timer = ModelTimer()
+    max_len = max([*lengths, decode_context + decode_tokens]) + 16
+    with in_process_engine_core(), timer.installed():
+        llm = make_engine(model=model, max_model_len=max_len, enable_prefix_caching=False)
+        try:
+            timed_generate(llm, random_prompts([64], seed=1), 2)  # warm-up
+            prefill = {}
+            for n in lengths:
+                prompts = iter(random_prompts([n] * repeats, seed=200 + n))
+                load = load_average()
+                seconds, runs = median_of(lambda p=prompts: timed_generate(llm, [next(p)], 1)[0], repeats)
+                flops = prefill_flops(config, n, CHUNK)
+                prefill[str(n)] = {
+                    "ttft_s": seconds,
+                    "runs_s": runs,
+                    "tokens_per_s": n / seconds,
+                    "gflops_per_s": flops / seconds / 1e9,
+                    "load_average_1m": load,
+                }
+                print(f"  engine prefill {n}: {seconds:.2f} s, {n / seconds:.0f} tok/s", flush=True)
+            decode = decode_step(llm, timer, config, decode_context, decode_tokens, repeats)
+        finally:
+            shutdown_engine(llm)
+    return {"prefill": prefill, "decode_batch1": decode}
+
+
+def decode_step(
+    llm: Any, timer: ModelTimer, config: Any, context: int, new_tokens: int, repeats: int
+) -> dict[str, Any]:
+    """Batch-1 decode step at ``context`` tokens: engine step time and our model's part of it."""
+    prompts = random_prompts([context] * repeats, seed=7)
+    timed_generate(llm, [prompts[0]], 2)  # warm-up at this shape
+    steps, model_ms, loads = [], [], []
+    for prompt in prompts:
+        loads.append(load_average())
+        first = timed_generate(llm, [prompt], 1)[0]
+        timer.reset()
+        total = timed_generate(llm, [prompt], new_tokens)[0]
+        decode_steps = new_tokens - 1
+        steps.append(1000 * (total - first) / decode_steps)
+        model_ms.append(1000 * timer.decode_s / max(timer.decode_calls, 1))
+    step_ms, ours_ms = statistics.median(steps), statistics.median(model_ms)
+    result = {
+        "context_tokens": context,
+        "new_tokens": new_tokens,
+        "step_ms": step_ms,
+        "tokens_per_s": 1000 / step_ms,
+        "model_ms": ours_ms,
+        "vllm_ms": step_ms - ours_ms,
+        "model_share": ours_ms / step_ms,
+        "step_ms_runs": steps,
+        "model_ms_runs": model_ms,
+        "flops_per_step": token_flops(config, context),
+        "model_gflops_per_s": token_flops(config, context) / (ours_ms / 1000) / 1e9,
+        "load_average_1m": statistics.median(loads),
+    }
+    print(
+        f"  decode batch 1 at {context}: step {step_ms:.1f} ms = model {ours_ms:.1f} ms "
+        f"({100 * ours_ms / step_ms:.0f}%) + vLLM {step_ms - ours_ms:.1f} ms",
+        flush=True,
+    )
+    return result
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def reference_measurements(
+    lengths: Sequence[int], repeats: int, context: int, new_tokens: int
+) -> dict[str, Any]:
+    """transformers' eager DeepseekV4ForCausalLM: prefill seconds per length and the decode step."""
+    from bench_model import hf_generate, load_reference
+
+    ref = load_reference()
+    hf_generate(ref, random_prompts([64], seed=1), 2)  # warm-up
+    prefill = {}
+    for n in lengths:
+        prompts = iter(random_prompts([n] * repeats, seed=300 + n))
+        seconds, runs = median_of(lambda p=prompts: hf_generate(ref, [next(p)], 1)[0], repeats)
+        prefill[str(n)] = {"ttft_s": seconds, "runs_s": runs, "tokens_per_s": n / seconds}
+        print(f"  transformers prefill {n}: {seconds:.2f} s, {n / seconds:.0f} tok/s", flush=True)
+    prompt = random_prompts([context], seed=7)
+    steps = []
+    for _ in range(repeats):
+        first = hf_generate(ref, prompt, 1)[0]
+        total = hf_generate(ref, prompt, new_tokens)[0]
+        steps.append(1000 * (total - first) / (new_tokens - 1))
+    step_ms = statistics.median(steps)
+    print(f"  transformers decode batch 1 at {context}: {step_ms:.1f} ms/step", flush=True)
+    return {
+        "prefill": prefill,
+        "decode_batch1": {"context_tokens": context, "step_ms": step_ms, "tokens_per_s": 1000 / step_ms},
+    }
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def plot_prefill(scaling: dict[str, Any], path: Path, title: str) -> Path:
+    """Prefill time vs length, measured and predicted (FLOP-proportional, anchored at the shortest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [int(n) for n in scaling["lengths"]]
+    measured = [scaling["lengths"][str(n)]["seconds"] for n in lengths]
+    flops = [scaling["lengths"][str(n)]["flops"] for n in lengths]
+    predicted = [measured[0] * f / flops[0] for f in flops]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog(lengths, measured, "o-", label="measured (median)")
+    ax.loglog(lengths, predicted, "s--", label="arithmetic (FLOPs, anchored at the shortest)")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill seconds")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def default_results_dir() -> Path:
+    return RESULTS_DIR / datetime.date.today().isoformat()
+
+
+def run(
+    results_dir: Path,
+    quick: bool,
+    model: str = "ds4",
+    lengths: Sequence[int] | None = None,
+    repeats: int = 3,
+    engine: bool = True,
+    reference: bool | None = None,
+    max_reference_tokens: int | None = None,
+    decode_context: int = DECODE_CONTEXT,
+    decode_tokens: int = DECODE_TOKENS,
+) -> dict[str, Any]:
+    """Measure, write ``model_scaling.json`` and ``model_scaling_prefill.png`` into ``results_dir``.
+
+    ``quick``: 2k and 8k; else 2k, 8k, 32k (128k only where the model's position limit allows).
+    ``reference`` defaults to on for the default model (transformers has its weights) only.
+    """
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    config = load_config(model)[0]
+    if lengths is None:
+        lengths = list(QUICK_LENGTHS if quick else FULL_LENGTHS)
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+        skipped = {}
+        if not quick:
+            if LONGEST_FULL < limit:
+                lengths.append(LONGEST_FULL)
+            else:
+                skipped[str(LONGEST_FULL)] = f"above the model's max_position_embeddings ({limit})"
+    else:
+        skipped = {}
+    lengths = sorted(lengths)
+    if reference is None:
+        reference = model == "ds4"
+    if max_reference_tokens is None:
+        max_reference_tokens = 2048 if quick else 8192
+    result: dict[str, Any] = {
+        "benchmark": "model_scaling",
+        "machine": machine_info(),
+        "settings": {
+            "model": model,
+            "quick": quick,
+            "lengths": lengths,
+            "skipped_lengths": skipped,
+            "repeats": repeats,
+            "chunk": CHUNK,
+            "decode_context": decode_context,
+            "decode_tokens": decode_tokens,
+            "dtype": "float32",
+        },
+    }
+    print(f"prefill scaling ({model}, direct, chunks of {CHUNK}):", flush=True)
+    net, _ = build_direct_model(model)
+    result["prefill_scaling"] = prefill_scaling(net, config, lengths, repeats)
+    del net
+    if engine:
+        print("vLLM engine (in-process core):", flush=True)
+        result["engine"] = engine_measurements(model, config, lengths, repeats, decode_context, decode_tokens)
+    if reference:
+        ref_lengths = [n for n in lengths if n <= max_reference_tokens]
+        print(f"transformers reference (eager) at {ref_lengths}:", flush=True)
+        result["reference"] = reference_measurements(
+            ref_lengths, repeats, min(decode_context, max_reference_tokens), decode_tokens
+        )
+        result["reference"]["skipped_lengths"] = {
+            str(n): f"above --max-reference-tokens {max_reference_tokens} (eager reference too slow here)"
+            for n in lengths
+            if n > max_reference_tokens
+        }
+    result["wall_s"] = time.perf_counter() - t_start
+    plot = plot_prefill(
+        result["prefill_scaling"],
+        results_dir / "model_scaling_prefill.png",
+        f"{model}: prefill time vs length",
+    )
+    result["files"] = {"plot": plot.name}
+    out = results_dir / "model_scaling.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out} and {plot}", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="2k and 8k (default)")
+    mode.add_argument("--full", action="store_true", help="2k, 8k, 32k (and 128k where the model allows)")
+    ap.add_argument("--model", default="ds4", help="'ds4' (default model) or a model directory, e.g. a slice")
+    ap.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results/<date>/")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="override the prompt lengths")
+    ap.add_argument("--repeats", type=int, default=3, help="median of N runs per measurement")
+    ap.add_argument("--no-engine", action="store_true", help="skip the vLLM engine part")
+    ap.add_argument("--no-reference", action="store_true", help="skip transformers' reference")
+    ap.add_argument("--max-reference-tokens", type=int, default=None, help="longest reference prefill")
+    args = ap.parse_args()
+    run(
+        args.results_dir or default_results_dir(),
+        quick=not args.full,
+        model=args.model,
+        lengths=args.lengths,
+        repeats=args.repeats,
+        engine=not args.no_engine,
+        reference=False if args.no_reference else None,
+        max_reference_tokens=args.max_reference_tokens,
+    )
+
+
+if __name__ == "__main__":
+    main()
