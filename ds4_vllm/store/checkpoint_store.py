@@ -56,6 +56,10 @@ BUDGET_HEADROOM = 1.01
 #: Without a directory mtime change, re-stat the directory at most this often: touches by
 #: other servers (hit counts) only matter to eviction, which always refreshes first.
 DEFAULT_REFRESH_INTERVAL_S = 2.0
+#: How often a running store looks for temp files that crashed writers left (another server on
+#: the directory, or this one's own previous process when it restarted within the temp file's
+#: minimum age): without it they stay, outside the budget, until the next restart.
+TEMP_CLEAN_INTERVAL_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,6 +120,7 @@ class CheckpointStore:
         self._pending = PendingFiles()
         self._janitor = Janitor(self.fs, self._log_once)
         self._writer = CheckpointWriter(self.fs, model_dims)  # for the synchronous `store` only
+        self._temp_cleaned_at = -float("inf")
 
     # ------------------------------------------------------------------ set-up
 
@@ -133,9 +138,7 @@ class CheckpointStore:
             raise StoreConfigError(
                 f"{flag_names('kv_disk_dir')}: cannot use {self.options.directory!r}: {os_reason(exc)}"
             ) from exc
-        removed = self.fs.clean_temp()
-        if removed:
-            logger.info("kv cache removed stale temp files count=%d dir=%s", len(removed), self.fs.url)
+        self._clean_temp()
         evicted = self.evict()
         logger.info(
             "KV disk cache %s (%s, files=%d, evicted=%d)",
@@ -145,6 +148,17 @@ class CheckpointStore:
             len(evicted),
         )
         return self
+
+    def _clean_temp(self) -> None:
+        """Remove stale temp files of crashed writers (`clean_temp_files` decides which are stale)."""
+        self._temp_cleaned_at = time.monotonic()
+        try:
+            removed = self.fs.clean_temp(now=self._clock())
+        except OSError as exc:
+            self._log_once.warning("clean_temp", "kv cache temp clean-up failed: %s", os_reason(exc))
+            return
+        if removed:
+            logger.info("kv cache removed stale temp files count=%d dir=%s", len(removed), self.fs.url)
 
     @property
     def stats(self) -> StoreStats:
@@ -339,6 +353,8 @@ class CheckpointStore:
         self._janitor.remember(ticket.conversation_key, report.path, ticket.sha1, ticket.text_bytes, reason)
         # Other servers on the directory may have grown it meanwhile.
         evicted = self.evict(protected=report.path)
+        if time.monotonic() - self._temp_cleaned_at >= TEMP_CLEAN_INTERVAL_S:
+            self._clean_temp()
         return evicted, nested
 
     def store(
@@ -397,9 +413,13 @@ class CheckpointStore:
     # ------------------------------------------------------------------ eviction
 
     def _reserved_bytes(self, entries: list[IndexEntry]) -> int:
-        """Bytes of in-flight writes not yet on disk (a landed, unreported write counts as a file)."""
+        """Bytes of in-flight writes not yet on disk (a landed, unreported write counts as a file),
+        this store's and other processes' (their temp files)."""
         on_disk = {str(e.path) for e in entries}
-        return sum(w.ticket.file_size for w in self._pending.writes if w.ticket.path not in on_disk)
+        writes = self._pending.writes
+        own = sum(w.ticket.file_size for w in writes if w.ticket.path not in on_disk)
+        others = self.fs.other_writes_bytes({w.ticket.sha1 for w in writes}, self.options.budget_bytes)
+        return own + others
 
     def evict(self, protected: str | None = None) -> list[str]:
         """ds4's eviction pass over the files, counting the bytes reserved by in-flight writes."""

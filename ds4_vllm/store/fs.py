@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from ds4_vllm.kvc import (
     KvcFormatError,
     KvcHeader,
     ToolMapEntry,
+    checkpoint_file_size,
     clean_temp_files,
     ensure_directory,
     open_checkpoint,
@@ -32,7 +34,7 @@ from ds4_vllm.kvc import (
     touch_checkpoint,
     write_checkpoint,
 )
-from ds4_vllm.kvc.constants import KV_NAME_RE, KV_SUFFIX, PREFIX_BYTES
+from ds4_vllm.kvc.constants import FIXED_HEADER_BYTES, KV_NAME_RE, KV_SUFFIX, PREFIX_BYTES, TMP_NAME_RE
 from ds4_vllm.kvc.header import unpack_prefix
 
 from .options import is_local_dir, local_path
@@ -49,7 +51,17 @@ class CheckpointFS(Protocol):
     def prepare(self) -> None:
         """Create the directory (0700 when local) and prove it is writable; raises OSError."""
 
-    def clean_temp(self) -> list[str]: ...
+    def clean_temp(self, now: float | None = None) -> list[str]:
+        """Remove temp files crashed writers left (ages counted from `now`); returns their paths."""
+
+    def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
+        """Bytes that other writers' unfinished files will take once renamed (0 when unknown).
+
+        Other processes on the directory (servers sharing it) reserve their in-flight writes in
+        their own budget count only; counting their temp files here keeps the directory from
+        growing past the budget by one file per process. A temp file's header names its final
+        size; a claim above `limit` (the budget: never admitted) counts as its current size.
+        """
 
     def version(self) -> int | None:
         """Changes when files are added or removed (directory mtime); None when unknown."""
@@ -97,8 +109,37 @@ class LocalFS:
         os.close(fd)
         os.unlink(probe)
 
-    def clean_temp(self) -> list[str]:
-        return [str(p) for p in clean_temp_files(self.directory)]
+    def clean_temp(self, now: float | None = None) -> list[str]:
+        return [str(p) for p in clean_temp_files(self.directory, now=now)]
+
+    def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
+        total = 0
+        try:
+            it = os.scandir(self.directory)
+        except OSError:
+            return 0
+        with it:
+            for entry in it:
+                if not TMP_NAME_RE.match(entry.name) or entry.name[:40].lower() in own_sha1s:
+                    continue
+                try:
+                    with open(entry.path, "rb") as fp:
+                        head = fp.read(PREFIX_BYTES)
+                        size = os.fstat(fp.fileno()).st_size
+                except OSError:  # renamed or removed meanwhile
+                    continue
+                final = size
+                if len(head) == PREFIX_BYTES:
+                    try:
+                        header = KvcHeader.unpack(head[:FIXED_HEADER_BYTES])
+                    except KvcFormatError:
+                        header = None
+                    if header is not None:
+                        text_bytes = int.from_bytes(head[FIXED_HEADER_BYTES:PREFIX_BYTES], "little")
+                        claimed = checkpoint_file_size(text_bytes, header.payload_bytes)
+                        final = max(size, claimed if claimed <= limit else size)
+                total += final
+        return total
 
     def version(self) -> int | None:
         try:
@@ -226,8 +267,11 @@ class FsspecFS:
         self.fs.pipe_file(probe, b"")
         self.fs.rm_file(probe)
 
-    def clean_temp(self) -> list[str]:
+    def clean_temp(self, now: float | None = None) -> list[str]:
         return []  # temp files only ever exist in the local staging folder
+
+    def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
+        return 0  # uploads are whole objects: nothing is visible before it is complete
 
     def version(self) -> int | None:
         return None
