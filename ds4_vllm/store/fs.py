@@ -10,9 +10,12 @@ tests, not for speed.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +41,12 @@ from ds4_vllm.kvc.constants import FIXED_HEADER_BYTES, KV_NAME_RE, KV_SUFFIX, PR
 from ds4_vllm.kvc.header import unpack_prefix
 
 from .options import is_local_dir, local_path
+
+logger = logging.getLogger(__name__)
+
+#: After an object store failed to answer, its calls fail at once for this long instead of
+#: waiting on the network again: the store's lookups run on the engine loop.
+BACKEND_RETRY_S = 30.0
 
 #: Sub-folder for files that failed validation; scans only look at `<sha1>.kv` in the top level.
 QUARANTINE_DIR = "quarantine"
@@ -209,7 +218,8 @@ class FsspecIndex(CheckpointIndex):
 
         added = changed = invalid = 0
         try:
-            listing = self._fs.ls(self._root, detail=True)
+            # refresh: s3fs answers a repeated listing from its cache, which hides other writers' files.
+            listing = self._fs.ls(self._root, detail=True, refresh=True)
         except FileNotFoundError:
             listing = []
         seen: set[Path] = set()
@@ -228,14 +238,15 @@ class FsspecIndex(CheckpointIndex):
                 added += outcome[0] == "added"
                 changed += outcome[0] == "changed"
                 invalid += outcome[1]
+                if self._invalid.get(path, "").startswith("unreadable"):
+                    del self._sigs[path]  # a backend failure, not the file: read it again next time
         return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
 
     def _read_remote(self, path: Path, name: str, size: int, stamp: int) -> IndexEntry | str:
         try:
-            with self._fs.open(str(path), "rb") as fp:
-                head = fp.read(PREFIX_BYTES)
-                header, text_bytes = unpack_prefix(head, size, path)
-                text = fp.read(text_bytes)
+            head = self._fs.cat_file(str(path), start=0, end=PREFIX_BYTES)
+            header, text_bytes = unpack_prefix(head, size, path)
+            text = self._fs.cat_file(str(path), start=PREFIX_BYTES, end=PREFIX_BYTES + text_bytes)
         except KvcFormatError as exc:
             return f"{exc.field}: {exc.reason}"
         except OSError as exc:
@@ -248,6 +259,59 @@ class FsspecIndex(CheckpointIndex):
         return IndexEntry(path, name[:40].lower(), header, text_bytes, size, stamp, text)
 
 
+class GuardedBackend:
+    """An fsspec filesystem whose failures are all OSError, failing fast while its backend is down.
+
+    s3fs raises botocore exceptions, which are not OSError, when the endpoint cannot be reached,
+    after seconds of retries; unguarded, one lookup on the engine loop took the server down. A
+    connection-level failure (any non-OSError, or a timeout or connection error) marks the
+    backend down for `retry_s`: calls fail at once with EIO, and the outage is logged once
+    (with its recovery). Errors about one object (missing, denied) pass through as they are.
+    """
+
+    def __init__(self, fs: Any, url: str, retry_s: float = BACKEND_RETRY_S) -> None:
+        self._fs = fs
+        self._url = url
+        self.retry_s = retry_s
+        self._down_until = -float("inf")
+        self._down_reason: str | None = None
+
+    def retry_now(self) -> None:
+        """Let the next call go to the network although the retry interval has not passed."""
+        self._down_until = -float("inf")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: self._call(name, attr, *args, **kwargs)
+
+    def _call(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._down_reason is not None and time.monotonic() < self._down_until:
+            raise OSError(errno.EIO, "object store unavailable", self._down_reason)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            connection_level = not isinstance(exc, OSError) or isinstance(exc, TimeoutError | ConnectionError)
+            if not connection_level:
+                raise
+            reason = f"{name}: {type(exc).__name__}: {exc}"
+            if self._down_reason is None:
+                logger.warning(
+                    "kv cache object store %s failed (%s); requests are computed, retrying every %.0f s",
+                    self._url,
+                    reason,
+                    self.retry_s,
+                )
+            self._down_reason = reason
+            self._down_until = time.monotonic() + self.retry_s
+            raise OSError(errno.EIO, "object store unavailable", reason) from exc
+        if self._down_reason is not None:
+            logger.warning("kv cache object store %s answers again", self._url)
+            self._down_reason = None
+        return result
+
+
 class FsspecFS:
     """Any fsspec URL; see the module docstring for the trade-offs."""
 
@@ -255,7 +319,8 @@ class FsspecFS:
         import fsspec  # only remote stores need it
 
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url)
+        fs, self.root = fsspec.core.url_to_fs(url)
+        self.fs = GuardedBackend(fs, url)
         self.root = self.root.rstrip("/") or "/"
 
     def _join(self, name: str) -> str:
@@ -293,8 +358,7 @@ class FsspecFS:
         return parse_checkpoint(self.fs.cat_file(path), path=path, check_name=True)
 
     def read_header(self, path: str) -> KvcHeader:
-        with self.fs.open(path, "rb") as fp:
-            head = fp.read(PREFIX_BYTES)
+        head = self.fs.cat_file(path, start=0, end=PREFIX_BYTES)
         return unpack_prefix(head, self.fs.size(path), path)[0]
 
     def touch(self, path: str, now: int) -> KvcHeader:
