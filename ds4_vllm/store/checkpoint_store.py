@@ -121,6 +121,7 @@ class CheckpointStore:
         self._janitor = Janitor(self.fs, self._log_once)
         self._writer = CheckpointWriter(self.fs, model_dims)  # for the synchronous `store` only
         self._temp_cleaned_at = -float("inf")
+        self._reservations: dict[str, str] = {}  # sha1 -> reservation file of an admitted write
 
     # ------------------------------------------------------------------ set-up
 
@@ -322,19 +323,28 @@ class CheckpointStore:
             int(header.reason),
             conversation_key,
         )
-        evicted = self._evict(extra=file_size)
-        entries = self._catalog.entries(refresh=False)
-        room = budget - self._reserved_bytes(entries) - sum(e.file_size for e in entries)
-        if file_size > room:
-            return self._skip(
-                header, f"no room: {room / MIB:.1f} MiB left after eviction (pinned or in-flight files)"
-            )
+        # Servers sharing the directory take turns here, and each admitted write is reserved in a
+        # file the others count until it lands: together they never pass the budget.
+        with self.fs.budget_lock():
+            evicted = self._evict(extra=file_size)
+            entries = self._catalog.entries(refresh=False)
+            room = budget - self._reserved_bytes(entries) - sum(e.file_size for e in entries)
+            if file_size > room:
+                return self._skip(
+                    header, f"no room: {room / MIB:.1f} MiB left after eviction (pinned or in-flight files)"
+                )
+            reservation = self.fs.reserve(sha, file_size)
+        if reservation is not None:
+            self._reservations[sha] = reservation
         self._pending.add_write(ticket, text, tokens)
         return Admission(ticket, SaveReason(header.reason).label, tuple(evicted))
 
     def finish_write(self, report: WriteReport) -> tuple[list[str], list[str]]:
         """Take the worker's report of a ticket; returns (evicted, nested copies removed)."""
         pending = self._pending.finish_write(report.sha1)
+        reservation = self._reservations.pop(report.sha1, None)
+        if reservation is not None:
+            self.fs.release(reservation)
         if not report.stored:
             self._stats.failures += 1
             return [], []

@@ -10,13 +10,16 @@ tests, not for speed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Collection
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +51,11 @@ logger = logging.getLogger(__name__)
 #: waiting on the network again: the store's lookups run on the engine loop.
 BACKEND_RETRY_S = 30.0
 
+#: Lock file of a local directory: admissions of all processes on it take turns (flock).
+BUDGET_LOCK_NAME = ".ds4-budget.lock"
+#: Suffix tag of a reservation file, `<sha1>.kv.tmp.<pid>.r<file size>` (see `LocalFS.reserve`).
+RESERVATION_TAG = "r"
+
 #: Sub-folder for files that failed validation; scans only look at `<sha1>.kv` in the top level.
 QUARANTINE_DIR = "quarantine"
 
@@ -64,13 +72,21 @@ class CheckpointFS(Protocol):
         """Remove temp files crashed writers left (ages counted from `now`); returns their paths."""
 
     def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
-        """Bytes that other writers' unfinished files will take once renamed (0 when unknown).
+        """Bytes that other processes' admitted, unfinished writes will take (0 when unknown).
 
-        Other processes on the directory (servers sharing it) reserve their in-flight writes in
-        their own budget count only; counting their temp files here keeps the directory from
-        growing past the budget by one file per process. A temp file's header names its final
-        size; a claim above `limit` (the budget: never admitted) counts as its current size.
+        Processes sharing the directory each reserve their in-flight writes in their own count;
+        they see each other's through reservation files (`reserve`) and temp files. A temp
+        file's header names its final size; a claim above `limit` (the budget: never admitted)
+        counts as its current size. One write counts once however many of its files exist.
         """
+
+    def budget_lock(self) -> AbstractContextManager[object]:
+        """Held while one process decides and reserves an admission (other processes wait)."""
+
+    def reserve(self, sha1: str, file_size: int) -> str | None:
+        """Make an admitted write visible to other processes before its temp file exists."""
+
+    def release(self, reservation: str) -> None: ...
 
     def version(self) -> int | None:
         """Changes when files are added or removed (directory mtime); None when unknown."""
@@ -100,6 +116,27 @@ class CheckpointFS(Protocol):
     def write_small(self, name: str, data: bytes) -> None: ...
 
 
+class _DirectoryLock:
+    """An exclusive flock on a lock file; a directory where it cannot be created is not locked."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def __enter__(self) -> _DirectoryLock:
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # read-only: nothing will be written, so there is nothing to order
+            return self
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+
 class LocalFS:
     """A local directory, through `ds4_vllm.kvc` and plain OS calls."""
 
@@ -121,15 +158,37 @@ class LocalFS:
     def clean_temp(self, now: float | None = None) -> list[str]:
         return [str(p) for p in clean_temp_files(self.directory, now=now)]
 
+    def budget_lock(self) -> AbstractContextManager[object]:
+        return _DirectoryLock(self.directory / BUDGET_LOCK_NAME)
+
+    def reserve(self, sha1: str, file_size: int) -> str | None:
+        # A temp-file name (cleaned like one when its process dies) whose suffix is the size.
+        path = self.directory / f"{sha1}{KV_SUFFIX}.tmp.{os.getpid()}.{RESERVATION_TAG}{int(file_size)}"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        except OSError:  # read-only or full: the write will fail too; nothing to share
+            return None
+        return str(path)
+
+    def release(self, reservation: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(reservation)
+
     def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
-        total = 0
+        claims: dict[str, int] = {}
         try:
             it = os.scandir(self.directory)
         except OSError:
             return 0
         with it:
             for entry in it:
-                if not TMP_NAME_RE.match(entry.name) or entry.name[:40].lower() in own_sha1s:
+                sha1 = entry.name[:40].lower()
+                if not TMP_NAME_RE.match(entry.name) or sha1 in own_sha1s:
+                    continue
+                tag = entry.name.rsplit(".", 1)[-1]
+                if tag.startswith(RESERVATION_TAG) and tag[len(RESERVATION_TAG) :].isdigit():
+                    size = int(tag[len(RESERVATION_TAG) :])
+                    claims[sha1] = max(claims.get(sha1, 0), size if size <= limit else 0)
                     continue
                 try:
                     with open(entry.path, "rb") as fp:
@@ -147,8 +206,8 @@ class LocalFS:
                         text_bytes = int.from_bytes(head[FIXED_HEADER_BYTES:PREFIX_BYTES], "little")
                         claimed = checkpoint_file_size(text_bytes, header.payload_bytes)
                         final = max(size, claimed if claimed <= limit else size)
-                total += final
-        return total
+                claims[sha1] = max(claims.get(sha1, 0), final)
+        return sum(claims.values())
 
     def version(self) -> int | None:
         try:
@@ -337,6 +396,15 @@ class FsspecFS:
 
     def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
         return 0  # uploads are whole objects: nothing is visible before it is complete
+
+    def budget_lock(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()  # object stores have no lock; each process counts its own
+
+    def reserve(self, sha1: str, file_size: int) -> str | None:
+        return None
+
+    def release(self, reservation: str) -> None:
+        pass
 
     def version(self) -> int | None:
         return None

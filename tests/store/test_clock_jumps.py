@@ -17,6 +17,8 @@ from ds4_vllm.kvc import touch_checkpoint, write_checkpoint
 from ds4_vllm.store import CheckpointStore, CheckpointWriter
 from tests.store.store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 
+pytestmark = pytest.mark.reliability
+
 FUTURE = NOW + 10 * 365 * 86400  # ten years ahead
 
 

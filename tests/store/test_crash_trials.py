@@ -38,6 +38,8 @@ from tests.store.crash_workload import (
 )
 from tests.store.store_helpers import text_of
 
+pytestmark = pytest.mark.reliability
+
 BUDGET_MB = 1
 #: Seconds a real server takes to restart: the new store sees the dead writer's temp files this
 #: old (measured 20-30 s for `vllm serve --model ds4` at idle; clean_temp_files waits 10 s).
@@ -157,7 +159,6 @@ def test_kill_during_save_load_and_evict_quick(tmp_path):
 
 @pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.reliability
 def test_kill_during_save_load_and_evict_many(tmp_path):
     trials = int(os.environ.get("DS4_VLLM_STORE_CRASH_TRIALS", "200"))
     figures = run_trials(tmp_path / "kv", trials, crash_seed())
@@ -200,22 +201,23 @@ def run_shared_directory(directory: Path, processes: int, seconds: float, seed: 
 
 
 def assert_within_budget(figures: dict) -> None:
-    """Checkpoint files stay within budget + one file; with temp files, + one in-flight file per other process.
+    """The directory, temp and reservation files included, stays within budget + one file.
 
-    Each process reserves its own in-flight write and counts the others' temp files, but a write
-    another process admitted is invisible until its writer creates the temp file: that window
-    lets each other process add one file at most (one write in flight per process here).
+    The store keeps it within the budget; the one file is the sampler's: its scan is not a
+    snapshot, so a file renamed from its temp name mid-scan can be counted twice.
     """
-    budget, largest, processes = figures["budget_bytes"], figures["largest_file"], figures["processes"]
+    budget, largest = figures["budget_bytes"], figures["largest_file"]
     assert figures["peak_kv_bytes"] <= budget + largest, figures
-    assert figures["peak_dir_bytes"] <= budget + (processes - 1) * largest, figures
+    assert figures["peak_dir_bytes"] <= budget + largest, figures
 
 
 def test_four_processes_share_one_directory_quick(tmp_path):
     """Four writers, one 1 MiB budget (about four files).
 
-    Before the store counted other processes' temp files, each process reserved only its own
-    in-flight write and the `*.kv` files alone reached budget + 1.44 files (measured, 4 processes).
+    Each process used to reserve only its own in-flight writes: the `*.kv` files alone reached
+    budget + 1.44 files with 4 processes, and with temp files budget + 2.5 files with 6
+    (measured). Now admissions take turns under a directory lock and reserve in a file the
+    others count (measured after: budget + 0.4 file at most, the sampler's double count).
     """
     figures = run_shared_directory(tmp_path / "kv", 4, 3.0, crash_seed())
     assert figures["files_written"] > 0 and figures["loads_verified"] > 0
@@ -224,7 +226,6 @@ def test_four_processes_share_one_directory_quick(tmp_path):
 
 @pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.reliability
 def test_many_processes_share_one_directory_long(tmp_path):
     seconds = float(os.environ.get("DS4_VLLM_SHARED_DIR_SECONDS", "60"))
     figures = run_shared_directory(tmp_path / "kv", 6, seconds, crash_seed())

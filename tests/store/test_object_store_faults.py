@@ -20,6 +20,8 @@ from ds4_vllm.store.fs import FsspecFS
 from ds4_vllm.store.records import LoadFailure
 from tests.store.store_helpers import MICRO, header, opts, payload, text_of, toks
 
+pytestmark = pytest.mark.reliability
+
 REGION = "eu-west-2"
 
 
