@@ -35,6 +35,8 @@ PROMPT_TOKENS = 1500
 TAIL_TOKENS = 20
 #: A budget of a few checkpoints, so the saves of every trial evict older ones.
 BUDGET_MB = 12
+#: Server starts take 20-30 s at idle and over 4 min on this shared 2-core machine under load.
+START_TIMEOUT_S = 900
 
 
 def kill_tree(server: ServerProcess) -> None:
@@ -83,7 +85,7 @@ def test_kill_9_during_save_load_and_evict(tmp_path):
     prompts = random_prompts([PROMPT_TOKENS] * (trials + 1), seed=seed % 10_000)
     tails = random_prompts([TAIL_TOKENS] * (trials + 1), seed=seed % 10_000 + 1)
 
-    reference = ServerProcess(COMMON, tmp_path / "reference.log").start()
+    reference = ServerProcess(COMMON, tmp_path / "reference.log").start(timeout=START_TIMEOUT_S)
     try:
         firsts = [answer_ids(complete(reference, p)) for p in prompts]
         follow_ups = [p + f + t for p, f, t in zip(prompts, firsts, tails, strict=True)]
@@ -100,7 +102,7 @@ def test_kill_9_during_save_load_and_evict(tmp_path):
         "--kv-disk-space-mb",
         str(BUDGET_MB),
     ]
-    server = ServerProcess(COMMON + connector, tmp_path / "server-0.log").start()
+    server = ServerProcess(COMMON + connector, tmp_path / "server-0.log").start(timeout=START_TIMEOUT_S)
     # Measure how long a trial's work takes, so kills spread over it.
     started = time.monotonic()
     assert answer_ids(complete(server, prompts[0])) == firsts[0]
@@ -119,7 +121,9 @@ def test_kill_9_during_save_load_and_evict(tmp_path):
         time.sleep(float(rng.uniform(0, 1.5 * work_s)))
         peak = max(peak, sum(p.stat().st_size for p in disk_dir.iterdir() if p.is_file()))
         kill_tree(server)
-        server = ServerProcess(COMMON + connector, tmp_path / f"server-{trial}.log").start()
+        server = ServerProcess(COMMON + connector, tmp_path / f"server-{trial}.log").start(
+            timeout=START_TIMEOUT_S
+        )
         figures["checkpoints_checked"] += check_directory(disk_dir)
         out = complete(server, follow_ups[previous])
         assert answer_ids(out) == expected[previous], f"trial {trial}: wrong answer after the crash"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -231,3 +232,24 @@ def test_many_processes_share_one_directory_long(tmp_path):
     figures = run_shared_directory(tmp_path / "kv", 6, seconds, crash_seed())
     assert figures["files_written"] > 0 and figures["loads_verified"] > 0
     assert_within_budget(figures)
+
+
+def test_running_store_removes_temp_files_of_a_writer_that_died(tmp_path, monkeypatch):
+    """Another server on the directory (or this one's previous process) died mid-write while this
+    store runs: its temp file goes at the next write's clean-up, not only at the next restart."""
+    import ds4_vllm.store.checkpoint_store as checkpoint_store
+    from ds4_vllm.store import CheckpointStore
+    from tests.store.store_helpers import header, opts, payload, toks
+
+    store = CheckpointStore(opts(tmp_path), fsync=False).open()
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # its pid is now dead: the temp file's writer is gone
+    dead = finished.pid
+    orphan = tmp_path / f"{'c' * 40}.kv.tmp.{dead}.abcd"
+    orphan.write_bytes(b"half a checkpoint")
+    old = time.time() - 30  # older than clean_temp_files' 10 s minimum age
+    os.utime(orphan, (old, old))
+    monkeypatch.setattr(checkpoint_store, "TEMP_CLEAN_INTERVAL_S", 0.0)
+    tokens = toks(20)
+    assert store.store(text_of(tokens), header(20), payload(tokens)).stored
+    assert not orphan.exists()

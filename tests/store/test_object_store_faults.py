@@ -107,3 +107,18 @@ def test_stopped_object_store_is_a_miss_logged_once_then_recovers(s3, caplog):
     assert any("answers again" in m for m in warnings_of(caplog))
     with CheckpointWriter(store.fs, MICRO).open_verified(again) as ck:
         assert [int(t) for t in ck.payload.tokens] == prompt[:32]
+
+
+def test_files_of_another_process_are_seen(s3):
+    """Each server has its own s3fs client; a listing must not come from the client's cache."""
+    import s3fs
+
+    writer = CheckpointStore(opts("s3://ds4-kv/shared"), model_dims=MICRO, refresh_interval_s=0).open()
+    reader = CheckpointStore(opts("s3://ds4-kv/shared"), model_dims=MICRO, refresh_interval_s=0).open()
+    reader.fs.fs._fs = s3fs.S3FileSystem(skip_instance_cache=True)  # as in another process
+    first, second = toks(60), toks(60, start=20)
+    assert writer.store(text_of(first[:32]), header(32), payload(first[:32])).stored
+    assert reader.lookup(text_of(first), first, None, 2).hit  # the reader has listed the directory
+    assert writer.store(text_of(second[:32]), header(32), payload(second[:32])).stored
+    outcome = reader.lookup(text_of(second), second, None, 2)
+    assert outcome.hit and outcome.agreed_tokens == 32
