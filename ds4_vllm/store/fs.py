@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 #: After an object store failed to answer, its calls fail at once for this long instead of
 #: waiting on the network again: the store's lookups run on the engine loop.
 BACKEND_RETRY_S = 30.0
+#: Deadline of one call to an asynchronous (fsspec) backend such as s3fs: a store that accepts
+#: connections but never answers would otherwise hold the engine loop for s3fs's 5 retries of
+#: botocore's 60 s read timeout. Whole-object transfers get longer (1 GiB at ~4 MB/s).
+BACKEND_CALL_TIMEOUT_S = 10.0
+BACKEND_TRANSFER_TIMEOUT_S = 300.0
+_TRANSFERS = frozenset({"put_file", "pipe_file", "cat_file"})
 
 #: Lock file of a local directory: admissions of all processes on it take turns (flock).
 BUDGET_LOCK_NAME = ".ds4-budget.lock"
@@ -328,10 +334,19 @@ class GuardedBackend:
     (with its recovery). Errors about one object (missing, denied) pass through as they are.
     """
 
-    def __init__(self, fs: Any, url: str, retry_s: float = BACKEND_RETRY_S) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        url: str,
+        retry_s: float = BACKEND_RETRY_S,
+        call_timeout_s: float = BACKEND_CALL_TIMEOUT_S,
+        transfer_timeout_s: float = BACKEND_TRANSFER_TIMEOUT_S,
+    ) -> None:
         self._fs = fs
         self._url = url
         self.retry_s = retry_s
+        self.call_timeout_s = call_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
         self._down_until = -float("inf")
         self._down_reason: str | None = None
 
@@ -348,6 +363,10 @@ class GuardedBackend:
     def _call(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._down_reason is not None and time.monotonic() < self._down_until:
             raise OSError(errno.EIO, "object store unavailable", self._down_reason)
+        if getattr(getattr(self._fs, name), "__wrapped__", None) is not None:  # fsspec's sync wrapper of
+            # a coroutine: it takes a deadline (plain methods such as `mv` do not)
+            whole = name in _TRANSFERS and kwargs.get("start") is None and kwargs.get("end") is None
+            kwargs.setdefault("timeout", self.transfer_timeout_s if whole else self.call_timeout_s)
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:

@@ -10,6 +10,7 @@ which the connector calls on the engine loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -58,7 +59,8 @@ def s3(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{server.host}:{server.port}")
     s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem()
-    fs.mkdir("ds4-kv", region_name=REGION)
+    with contextlib.suppress(FileExistsError):  # moto keeps its buckets for the whole process
+        fs.mkdir("ds4-kv", region_name=REGION)
     yield server
     server.stop()
     s3fs.S3FileSystem.clear_instance_cache()
@@ -122,3 +124,42 @@ def test_files_of_another_process_are_seen(s3):
     assert writer.store(text_of(second[:32]), header(32), payload(second[:32])).stored
     outcome = reader.lookup(text_of(second), second, None, 2)
     assert outcome.hit and outcome.agreed_tokens == 32
+
+
+def test_object_store_that_hangs_costs_one_deadline_then_fails_fast(s3, caplog):
+    """The endpoint accepts connections and never answers (a hung proxy or server)."""
+    import socket
+    import threading
+
+    store = CheckpointStore(opts("s3://ds4-kv/hang"), model_dims=MICRO, refresh_interval_s=0).open()
+    prompt = toks(60)
+    assert store.store(text_of(prompt[:32]), header(32), payload(prompt[:32])).stored
+    s3.stop()
+    listener = socket.create_server((s3.host, s3.port))
+    accepted: list[socket.socket] = []
+    threading.Thread(
+        target=lambda: [accepted.append(listener.accept()[0]) for _ in range(64)], daemon=True
+    ).start()
+    store.fs.fs.call_timeout_s = 1.0  # the default is BACKEND_CALL_TIMEOUT_S (10 s)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds4_vllm"):
+            started = time.monotonic()
+            store.lookup(text_of(prompt), prompt, None, 2)
+            first = time.monotonic() - started
+            started = time.monotonic()
+            for n in range(5):
+                more = toks(40, start=7 + 5 * n)
+                assert not store.lookup(text_of(more), more, None, 2).hit
+                assert not store.store(text_of(more[:36]), header(36), payload(more[:36])).stored
+            rest = time.monotonic() - started
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    # Measured: the first lookup returns after its 1 s deadline (1.0-1.3 s); without the deadline
+    # it waited for s3fs's retries of a 60 s read timeout. 5 s allows for a loaded machine.
+    assert accepted and first < 5.0, first
+    assert rest < 2.0, rest
+    outage = [m for m in warnings_of(caplog) if "requests are computed" in m]
+    assert len(outage) == 1, outage
+    assert "Timeout" in outage[0], outage
