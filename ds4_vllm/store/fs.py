@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 BACKEND_RETRY_S = 30.0
 #: Deadline of one call to an asynchronous (fsspec) backend such as s3fs: a store that accepts
 #: connections but never answers would otherwise hold the engine loop for s3fs's 5 retries of
-#: botocore's 60 s read timeout. Whole-object transfers get longer (1 GiB at ~4 MB/s).
+#: botocore's 60 s read timeout. Whole-object transfers get longer (1 GiB at 3.5 MB/s).
 BACKEND_CALL_TIMEOUT_S = 10.0
 BACKEND_TRANSFER_TIMEOUT_S = 300.0
 _TRANSFERS = frozenset({"put_file", "pipe_file", "cat_file"})
@@ -182,6 +182,7 @@ class LocalFS:
 
     def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
         claims: dict[str, int] = {}
+        landed: set[str] = set()  # written already: counted as a file (its writer has not reported yet)
         try:
             it = os.scandir(self.directory)
         except OSError:
@@ -189,6 +190,8 @@ class LocalFS:
         with it:
             for entry in it:
                 sha1 = entry.name[:40].lower()
+                if KV_NAME_RE.match(entry.name):
+                    landed.add(sha1)
                 if not TMP_NAME_RE.match(entry.name) or sha1 in own_sha1s:
                     continue
                 tag = entry.name.rsplit(".", 1)[-1]
@@ -213,7 +216,7 @@ class LocalFS:
                         claimed = checkpoint_file_size(text_bytes, header.payload_bytes)
                         final = max(size, claimed if claimed <= limit else size)
                 claims[sha1] = max(claims.get(sha1, 0), final)
-        return sum(claims.values())
+        return sum(size for sha1, size in claims.items() if sha1 not in landed)
 
     def version(self) -> int | None:
         try:
@@ -363,8 +366,8 @@ class GuardedBackend:
     def _call(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._down_reason is not None and time.monotonic() < self._down_until:
             raise OSError(errno.EIO, "object store unavailable", self._down_reason)
-        if getattr(getattr(self._fs, name), "__wrapped__", None) is not None:  # fsspec's sync wrapper of
-            # a coroutine: it takes a deadline (plain methods such as `mv` do not)
+        if getattr(fn, "__wrapped__", None) is not None:  # fsspec's sync wrapper of a coroutine
+            # takes a deadline (plain methods such as `mv` do not)
             whole = name in _TRANSFERS and kwargs.get("start") is None and kwargs.get("end") is None
             kwargs.setdefault("timeout", self.transfer_timeout_s if whole else self.call_timeout_s)
         try:

@@ -33,8 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.reliability]
 
 PROMPT_TOKENS = 1500
 TAIL_TOKENS = 20
-#: A budget of a few checkpoints, so the saves of every trial evict older ones.
-BUDGET_MB = 12
+#: A budget of three checkpoints (1.4-1.8 MiB each), so the saves of every trial evict older ones.
+BUDGET_MB = 6
 #: Server starts take 20-30 s at idle and over 4 min on this shared 2-core machine under load.
 START_TIMEOUT_S = 900
 

@@ -23,7 +23,7 @@ from tests.model.engine_helpers import random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.reliability]
 
-BUDGET_MB = 12
+BUDGET_MB = 6
 #: Server starts take 20-30 s at idle and over 4 min on this shared 2-core machine under load.
 START_TIMEOUT_S = 900
 PROMPT_TOKENS = 1200

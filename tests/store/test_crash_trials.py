@@ -253,3 +253,25 @@ def test_running_store_removes_temp_files_of_a_writer_that_died(tmp_path, monkey
     tokens = toks(20)
     assert store.store(text_of(tokens), header(20), payload(tokens)).stored
     assert not orphan.exists()
+
+
+def test_other_writers_in_flight_bytes_count_once(tmp_path):
+    """What a store counts of other processes' writes: reservations and temp files, once per write,
+    not its own, not a write that has landed, and no claim above the budget."""
+    from ds4_vllm.kvc import KvcHeader
+    from ds4_vllm.kvc.header import pack_text_len
+    from ds4_vllm.store.fs import LocalFS
+
+    fs = LocalFS(tmp_path)
+    a, b, c, own, landed = (ch * 40 for ch in "abcde")
+    (tmp_path / f"{a}.kv.tmp.999999.r5000").touch()  # reserved, not started
+    (tmp_path / f"{b}.kv.tmp.999999.r7000").touch()  # reserved and being written:
+    head = KvcHeader.new(quant_bits=2, reason=1, tokens=10, ctx_size=4096, now=0)
+    head = type(head)(**{**{f: getattr(head, f) for f in head.__dataclass_fields__}, "payload_bytes": 6900})
+    (tmp_path / f"{b}.kv.tmp.999999.x1").write_bytes(head.pack() + pack_text_len(48) + b"partial")
+    (tmp_path / f"{c}.kv.tmp.999999.r{10**12}").touch()  # a claim above the budget counts 0
+    (tmp_path / f"{own}.kv.tmp.{os.getpid()}.r4000").touch()
+    (tmp_path / f"{landed}.kv.tmp.999999.r3000").touch()
+    (tmp_path / f"{landed}.kv").write_bytes(b"x" * 3000)
+    assert fs.other_writes_bytes({own}, limit=1 << 20) == 5000 + 7000
+    assert fs.other_writes_bytes(set(), limit=1 << 20) == 5000 + 7000 + 4000
