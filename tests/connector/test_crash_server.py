@@ -37,6 +37,9 @@ TAIL_TOKENS = 20
 BUDGET_MB = 6
 #: Server starts take 20-30 s at idle and over 4 min on this shared 2-core machine under load.
 START_TIMEOUT_S = 900
+#: vLLM's KV cache per server: 512 MiB holds ~47k tokens, plenty for these prompts, where the
+#: 2 GiB default made the second server's start fail on a 24 GiB machine shared with others.
+KV_MEMORY_BYTES = 512 << 20
 
 
 def kill_tree(server: ServerProcess) -> None:
@@ -101,6 +104,8 @@ def test_kill_9_during_save_load_and_evict(tmp_path):
         str(disk_dir),
         "--kv-disk-space-mb",
         str(BUDGET_MB),
+        "--kv-cache-memory-bytes",
+        str(KV_MEMORY_BYTES),
     ]
     server = ServerProcess(COMMON + connector, tmp_path / "server-0.log").start(timeout=START_TIMEOUT_S)
     # Measure how long a trial's work takes, so kills spread over it.
