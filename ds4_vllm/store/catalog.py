@@ -142,7 +142,14 @@ class Catalog:
         recent = now - self._refreshed_at < self._refresh_interval_s
         if not force and recent and (version is None or version == self._dir_version):
             return
-        self._index.refresh()
+        try:
+            self._index.refresh()
+        except OSError as exc:  # an object store that does not answer: keep the last listing
+            self._refreshed_at = now
+            self._log_once.warning(
+                "listing", "kv cache cannot list %s: %s (using the last listing)", self.fs.url, os_reason(exc)
+            )
+            return
         self._dir_version, self._refreshed_at = version, now
         for path, why in self._index.invalid.items():
             # ds4 leaves unparseable files alone (they may be another engine's version) and

@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 #: ds4 refuses a file whose size plus 1 % exceeds the budget (spec §5.5).
 BUDGET_HEADROOM = 1.01
+#: How often a running store looks for temp files that crashed writers left (another server on
+#: the directory, or this one's own previous process when it restarted within the temp file's
+#: minimum age): without it they stay, outside the budget, until the next restart.
+TEMP_CLEAN_INTERVAL_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,6 +126,8 @@ class CheckpointStore:
         self._janitor = Janitor(self.fs, self._log_once)
         self._leases = LeaseBook(self.fs, options.lease_s, clock=clock)
         self._writer = CheckpointWriter(self.fs, model_dims)  # for the synchronous `store` only
+        self._temp_cleaned_at = -float("inf")
+        self._reservations: dict[str, str] = {}  # sha1 -> reservation file of an admitted write
 
     # ------------------------------------------------------------------ set-up
 
@@ -139,9 +145,7 @@ class CheckpointStore:
             raise StoreConfigError(
                 f"{flag_names('kv_disk_dir')}: cannot use {self.options.directory!r}: {os_reason(exc)}"
             ) from exc
-        removed = self.fs.clean_temp()
-        if removed:
-            logger.info("kv cache removed stale temp files count=%d dir=%s", len(removed), self.fs.url)
+        self._clean_temp()
         evicted = self.evict()
         logger.info(
             "KV disk cache %s (%s, files=%d, evicted=%d)",
@@ -151,6 +155,17 @@ class CheckpointStore:
             len(evicted),
         )
         return self
+
+    def _clean_temp(self) -> None:
+        """Remove stale temp files of crashed writers (`clean_temp_files` decides which are stale)."""
+        self._temp_cleaned_at = time.monotonic()
+        try:
+            removed = self.fs.clean_temp(now=self._clock())
+        except OSError as exc:
+            self._log_once.warning("clean_temp", "kv cache temp clean-up failed: %s", os_reason(exc))
+            return
+        if removed:
+            logger.info("kv cache removed stale temp files count=%d dir=%s", len(removed), self.fs.url)
 
     @property
     def stats(self) -> StoreStats:
@@ -325,19 +340,28 @@ class CheckpointStore:
             int(header.reason),
             conversation_key,
         )
-        evicted = self._evict(extra=file_size)
-        entries = self._catalog.entries(refresh=False)
-        room = budget - self._reserved_bytes(entries) - sum(e.file_size for e in entries)
-        if file_size > room:
-            return self._skip(
-                header, f"no room: {room / MIB:.1f} MiB left after eviction (pinned or in-flight files)"
-            )
+        # Servers sharing the directory take turns here, and each admitted write is reserved in a
+        # file the others count until it lands: together they never pass the budget.
+        with self.fs.budget_lock():
+            evicted = self._evict(extra=file_size)
+            entries = self._catalog.entries(refresh=False)
+            room = budget - self._reserved_bytes(entries) - sum(e.file_size for e in entries)
+            if file_size > room:
+                return self._skip(
+                    header, f"no room: {room / MIB:.1f} MiB left after eviction (pinned or in-flight files)"
+                )
+            reservation = self.fs.reserve(sha, file_size)
+        if reservation is not None:
+            self._reservations[sha] = reservation
         self._pending.add_write(ticket, text, tokens)
         return Admission(ticket, SaveReason(header.reason).label, tuple(evicted))
 
     def finish_write(self, report: WriteReport) -> tuple[list[str], list[str]]:
         """Take the worker's report of a ticket; returns (evicted, nested copies removed)."""
         pending = self._pending.finish_write(report.sha1)
+        reservation = self._reservations.pop(report.sha1, None)
+        if reservation is not None:
+            self.fs.release(reservation)
         if not report.stored:
             self._stats.failures += 1
             return [], []
@@ -359,6 +383,8 @@ class CheckpointStore:
         self._janitor.remember(ticket.conversation_key, report.path, ticket.sha1, ticket.text_bytes, reason)
         # Other servers on the directory may have grown it meanwhile.
         evicted = self.evict(protected=report.path)
+        if time.monotonic() - self._temp_cleaned_at >= TEMP_CLEAN_INTERVAL_S:
+            self._clean_temp()
         return evicted, nested
 
     def store(
@@ -417,9 +443,13 @@ class CheckpointStore:
     # ------------------------------------------------------------------ eviction
 
     def _reserved_bytes(self, entries: list[IndexEntry]) -> int:
-        """Bytes of in-flight writes not yet on disk (a landed, unreported write counts as a file)."""
+        """Bytes of in-flight writes not yet on disk (a landed, unreported write counts as a file),
+        this store's and other processes' (their temp files)."""
         on_disk = {str(e.path) for e in entries}
-        return sum(w.ticket.file_size for w in self._pending.writes if w.ticket.path not in on_disk)
+        writes = self._pending.writes
+        own = sum(w.ticket.file_size for w in writes if w.ticket.path not in on_disk)
+        others = self.fs.other_writes_bytes({w.ticket.sha1 for w in writes}, self.options.budget_bytes)
+        return own + others
 
     def evict(self, protected: str | None = None) -> list[str]:
         """ds4's eviction pass over the files, counting the bytes reserved by in-flight writes."""

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import logging
 import os
 import shutil
 import stat
 import tempfile
+import time
+from collections.abc import Collection
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +31,7 @@ from ds4_vllm.kvc import (
     KvcFormatError,
     KvcHeader,
     ToolMapEntry,
+    checkpoint_file_size,
     clean_temp_files,
     ensure_directory,
     open_checkpoint,
@@ -35,11 +41,36 @@ from ds4_vllm.kvc import (
     touch_checkpoint,
     write_checkpoint,
 )
-from ds4_vllm.kvc.constants import DIR_MODE, FILE_MODE, KV_NAME_RE, KV_SUFFIX, PREFIX_BYTES
+from ds4_vllm.kvc.constants import (
+    DIR_MODE,
+    FILE_MODE,
+    FIXED_HEADER_BYTES,
+    KV_NAME_RE,
+    KV_SUFFIX,
+    PREFIX_BYTES,
+    TMP_NAME_RE,
+)
 from ds4_vllm.kvc.file import open_regular_file
 from ds4_vllm.kvc.header import unpack_prefix
 
 from .options import is_local_dir, local_path
+
+logger = logging.getLogger(__name__)
+
+#: After an object store failed to answer, its calls fail at once for this long instead of
+#: waiting on the network again: the store's lookups run on the engine loop.
+BACKEND_RETRY_S = 30.0
+#: Deadline of one call to an asynchronous (fsspec) backend such as s3fs: a store that accepts
+#: connections but never answers would otherwise hold the engine loop for s3fs's 5 retries of
+#: botocore's 60 s read timeout. Whole-object transfers get longer (1 GiB at 3.5 MB/s).
+BACKEND_CALL_TIMEOUT_S = 10.0
+BACKEND_TRANSFER_TIMEOUT_S = 300.0
+_TRANSFERS = frozenset({"put_file", "pipe_file", "cat_file"})
+
+#: Lock file of a local directory: admissions of all processes on it take turns (flock).
+BUDGET_LOCK_NAME = ".ds4-budget.lock"
+#: Suffix tag of a reservation file, `<sha1>.kv.tmp.<pid>.r<file size>` (see `LocalFS.reserve`).
+RESERVATION_TAG = "r"
 
 #: Sub-folder for files that failed validation; scans only look at `<sha1>.kv` in the top level.
 QUARANTINE_DIR = "quarantine"
@@ -95,7 +126,25 @@ class CheckpointFS(Protocol):
     def prepare(self) -> None:
         """Create the directory (0700 when local) and prove it is writable; raises OSError."""
 
-    def clean_temp(self) -> list[str]: ...
+    def clean_temp(self, now: float | None = None) -> list[str]:
+        """Remove temp files crashed writers left (ages counted from `now`); returns their paths."""
+
+    def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
+        """Bytes that other processes' admitted, unfinished writes will take (0 when unknown).
+
+        Processes sharing the directory each reserve their in-flight writes in their own count;
+        they see each other's through reservation files (`reserve`) and temp files. A temp
+        file's header names its final size; a claim above `limit` (the budget: never admitted)
+        counts as its current size. One write counts once however many of its files exist.
+        """
+
+    def budget_lock(self) -> AbstractContextManager[object]:
+        """Held while one process decides and reserves an admission (other processes wait)."""
+
+    def reserve(self, sha1: str, file_size: int) -> str | None:
+        """Make an admitted write visible to other processes before its temp file exists."""
+
+    def release(self, reservation: str) -> None: ...
 
     def version(self) -> int | None:
         """Changes when files are added or removed (directory mtime); None when unknown."""
@@ -134,6 +183,27 @@ class CheckpointFS(Protocol):
         """Delete `leases/<name>`; a missing one is not an error."""
 
 
+class _DirectoryLock:
+    """An exclusive flock on a lock file; a directory where it cannot be created is not locked."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def __enter__(self) -> _DirectoryLock:
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # read-only: nothing will be written, so there is nothing to order
+            return self
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+
 class LocalFS:
     """A local directory, through `ds4_vllm.kvc` and plain OS calls."""
 
@@ -152,8 +222,62 @@ class LocalFS:
         os.close(fd)
         os.unlink(probe)
 
-    def clean_temp(self) -> list[str]:
-        return [str(p) for p in clean_temp_files(self.directory)]
+    def clean_temp(self, now: float | None = None) -> list[str]:
+        return [str(p) for p in clean_temp_files(self.directory, now=now)]
+
+    def budget_lock(self) -> AbstractContextManager[object]:
+        return _DirectoryLock(self.directory / BUDGET_LOCK_NAME)
+
+    def reserve(self, sha1: str, file_size: int) -> str | None:
+        # A temp-file name (cleaned like one when its process dies) whose suffix is the size.
+        path = self.directory / f"{sha1}{KV_SUFFIX}.tmp.{os.getpid()}.{RESERVATION_TAG}{int(file_size)}"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        except OSError:  # read-only or full: the write will fail too; nothing to share
+            return None
+        return str(path)
+
+    def release(self, reservation: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(reservation)
+
+    def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
+        claims: dict[str, int] = {}
+        landed: set[str] = set()  # written already: counted as a file (its writer has not reported yet)
+        try:
+            it = os.scandir(self.directory)
+        except OSError:
+            return 0
+        with it:
+            for entry in it:
+                sha1 = entry.name[:40].lower()
+                if KV_NAME_RE.match(entry.name):
+                    landed.add(sha1)
+                if not TMP_NAME_RE.match(entry.name) or sha1 in own_sha1s:
+                    continue
+                tag = entry.name.rsplit(".", 1)[-1]
+                if tag.startswith(RESERVATION_TAG) and tag[len(RESERVATION_TAG) :].isdigit():
+                    size = int(tag[len(RESERVATION_TAG) :])
+                    claims[sha1] = max(claims.get(sha1, 0), size if size <= limit else 0)
+                    continue
+                try:
+                    with open(entry.path, "rb") as fp:
+                        head = fp.read(PREFIX_BYTES)
+                        size = os.fstat(fp.fileno()).st_size
+                except OSError:  # renamed or removed meanwhile
+                    continue
+                final = size
+                if len(head) == PREFIX_BYTES:
+                    try:
+                        header = KvcHeader.unpack(head[:FIXED_HEADER_BYTES])
+                    except KvcFormatError:
+                        header = None
+                    if header is not None:
+                        text_bytes = int.from_bytes(head[FIXED_HEADER_BYTES:PREFIX_BYTES], "little")
+                        claimed = checkpoint_file_size(text_bytes, header.payload_bytes)
+                        final = max(size, claimed if claimed <= limit else size)
+                claims[sha1] = max(claims.get(sha1, 0), final)
+        return sum(size for sha1, size in claims.items() if sha1 not in landed)
 
     def version(self) -> int | None:
         try:
@@ -263,14 +387,15 @@ class FsspecIndex(CheckpointIndex):
                 added += outcome[0] == "added"
                 changed += outcome[0] == "changed"
                 invalid += outcome[1]
+                if self._invalid.get(path, "").startswith("unreadable"):
+                    del self._sigs[path]  # a backend failure, not the file: read it again next time
         return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
 
     def _read_remote(self, path: Path, name: str, size: int, stamp: int) -> IndexEntry | str:
         try:
-            with self._fs.open(str(path), "rb") as fp:
-                head = fp.read(PREFIX_BYTES)
-                header, text_bytes = unpack_prefix(head, size, path)
-                text = fp.read(text_bytes)
+            head = self._fs.cat_file(str(path), start=0, end=PREFIX_BYTES)
+            header, text_bytes = unpack_prefix(head, size, path)
+            text = self._fs.cat_file(str(path), start=PREFIX_BYTES, end=PREFIX_BYTES + text_bytes)
         except KvcFormatError as exc:
             return f"{exc.field}: {exc.reason}"
         except OSError as exc:
@@ -281,6 +406,72 @@ class FsspecIndex(CheckpointIndex):
             return "file_name: text SHA-1 is not the name's"
         # The listing's timestamp stands in for mtime_ns: it changes when the object is rewritten.
         return IndexEntry(path, name[:40].lower(), header, text_bytes, size, stamp, text)
+
+
+class GuardedBackend:
+    """An fsspec filesystem whose failures are all OSError, failing fast while its backend is down.
+
+    s3fs raises botocore exceptions, which are not OSError, when the endpoint cannot be reached,
+    after seconds of retries; unguarded, one lookup on the engine loop took the server down. A
+    connection-level failure (any non-OSError, or a timeout or connection error) marks the
+    backend down for `retry_s`: calls fail at once with EIO, and the outage is logged once
+    (with its recovery). Errors about one object (missing, denied) pass through as they are.
+    """
+
+    def __init__(
+        self,
+        fs: Any,
+        url: str,
+        retry_s: float = BACKEND_RETRY_S,
+        call_timeout_s: float = BACKEND_CALL_TIMEOUT_S,
+        transfer_timeout_s: float = BACKEND_TRANSFER_TIMEOUT_S,
+    ) -> None:
+        self._fs = fs
+        self._url = url
+        self.retry_s = retry_s
+        self.call_timeout_s = call_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self._down_until = -float("inf")
+        self._down_reason: str | None = None
+
+    def retry_now(self) -> None:
+        """Let the next call go to the network although the retry interval has not passed."""
+        self._down_until = -float("inf")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: self._call(name, attr, *args, **kwargs)
+
+    def _call(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._down_reason is not None and time.monotonic() < self._down_until:
+            raise OSError(errno.EIO, "object store unavailable", self._down_reason)
+        if getattr(fn, "__wrapped__", None) is not None:  # fsspec's sync wrapper of a coroutine
+            # takes a deadline (plain methods such as `mv` do not)
+            whole = name in _TRANSFERS and kwargs.get("start") is None and kwargs.get("end") is None
+            kwargs.setdefault("timeout", self.transfer_timeout_s if whole else self.call_timeout_s)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            connection_level = not isinstance(exc, OSError) or isinstance(exc, TimeoutError | ConnectionError)
+            if not connection_level:
+                raise
+            reason = f"{name}: {type(exc).__name__}: {exc}"
+            if self._down_reason is None:
+                logger.warning(
+                    "kv cache object store %s failed (%s); requests are computed, retrying every %.0f s",
+                    self._url,
+                    reason,
+                    self.retry_s,
+                )
+            self._down_reason = reason
+            self._down_until = time.monotonic() + self.retry_s
+            raise OSError(errno.EIO, "object store unavailable", reason) from exc
+        if self._down_reason is not None:
+            logger.warning("kv cache object store %s answers again", self._url)
+            self._down_reason = None
+        return result
 
 
 class FsspecFS:
@@ -296,7 +487,8 @@ class FsspecFS:
         import fsspec  # only remote stores need it
 
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
+        fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
+        self.fs = GuardedBackend(fs, url)
         self.root = self.root.rstrip("/") or "/"
 
     def _join(self, name: str) -> str:
@@ -308,8 +500,20 @@ class FsspecFS:
         self.fs.pipe_file(probe, b"")
         self.fs.rm_file(probe)
 
-    def clean_temp(self) -> list[str]:
+    def clean_temp(self, now: float | None = None) -> list[str]:
         return []  # temp files only ever exist in the local staging folder
+
+    def other_writes_bytes(self, own_sha1s: Collection[str], limit: int) -> int:
+        return 0  # uploads are whole objects: nothing is visible before it is complete
+
+    def budget_lock(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()  # object stores have no lock; each process counts its own
+
+    def reserve(self, sha1: str, file_size: int) -> str | None:
+        return None
+
+    def release(self, reservation: str) -> None:
+        pass
 
     def version(self) -> int | None:
         return None
@@ -331,8 +535,7 @@ class FsspecFS:
         return parse_checkpoint(self.fs.cat_file(path), path=path, check_name=True)
 
     def read_header(self, path: str) -> KvcHeader:
-        with self.fs.open(path, "rb") as fp:
-            head = fp.read(PREFIX_BYTES)
+        head = self.fs.cat_file(path, start=0, end=PREFIX_BYTES)
         return unpack_prefix(head, self.fs.size(path), path)[0]
 
     def touch(self, path: str, now: int) -> KvcHeader:

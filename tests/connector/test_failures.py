@@ -180,7 +180,15 @@ def test_file_swapped_between_lookup_and_load_is_refused(engine, tmpfs, conversa
     assert any("replaced since the lookup" in m for m in refusals), refusals
 
 
-def test_full_disk_skips_the_save_and_answers(engine, tmpfs, conversations):
+def store_failures(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "kv cache store failed" in r.getMessage()
+    ]
+
+
+def test_full_disk_skips_the_save_and_answers(engine, tmpfs, conversations, caplog):
     case = conversations["disk_full"]
     filler = tmpfs / "filler.bin"
     free = shutil.disk_usage(tmpfs).free
@@ -190,24 +198,32 @@ def test_full_disk_skips_the_save_and_answers(engine, tmpfs, conversations):
         f.write(b"\0" * max(0, free - 64 * 1024))  # tmpfs counts written pages only
     try:
         before = set(checkpoints(tmpfs))
-        out = answer(engine, case["prompt"])
-        answer(engine, [1])
+        with caplog.at_level(logging.DEBUG, logger="ds4_vllm"):
+            out = answer(engine, case["prompt"])
+            answer(engine, case["prompt"][:-100])  # more saves that do not fit
+            answer(engine, [1])
         assert list(out.outputs[0].token_ids) == case["first"]
         assert set(checkpoints(tmpfs)) == before, "nothing fits, nothing is left behind"
         assert not list(tmpfs.glob("*.tmp*"))
+        failures = store_failures(caplog)
+        assert len(failures) == 1 and "disk full" in failures[0], failures  # said once (issue 12)
     finally:
         filler.unlink()
 
 
-def test_read_only_directory_skips_the_save_and_answers(engine, tmpfs, conversations):
+def test_read_only_directory_skips_the_save_and_answers(engine, tmpfs, conversations, caplog):
     case = conversations["read_only"]
     assert _mount("-o", "remount,ro", str(tmpfs))
     try:
         before = set(checkpoints(tmpfs))
-        out = answer(engine, case["prompt"])
-        answer(engine, [1])
+        with caplog.at_level(logging.DEBUG, logger="ds4_vllm"):
+            out = answer(engine, case["prompt"])
+            answer(engine, case["prompt"][:-100])  # more saves that cannot be written
+            answer(engine, [1])
         assert list(out.outputs[0].token_ids) == case["first"]
         assert set(checkpoints(tmpfs)) == before
+        failures = store_failures(caplog)
+        assert len(failures) == 1 and "read-only" in failures[0], failures  # said once (issue 12)
     finally:
         assert _mount("-o", "remount,rw", str(tmpfs))
 
