@@ -136,7 +136,8 @@ class Catalog:
         recent = now - self._refreshed_at < self._refresh_interval_s
         if not force and recent and (version is None or version == self._dir_version):
             return
-        self._index.refresh()
+        # Unforced: only new or renamed-over files are read, an unchanged directory is not listed.
+        self._index.refresh(restat=force)
         self._dir_version, self._refreshed_at = version, now
         for path, why in self._index.invalid.items():
             # ds4 leaves unparseable files alone (they may be another engine's version) and

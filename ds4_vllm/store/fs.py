@@ -193,7 +193,7 @@ class FsspecIndex(CheckpointIndex):
         self._fs = fs
         self._root = root
 
-    def refresh(self):  # type: ignore[override]
+    def refresh(self, *, restat: bool = True):  # type: ignore[override]  # a listing has every stamp
         from ds4_vllm.kvc import RefreshStats
 
         added = changed = invalid = 0
