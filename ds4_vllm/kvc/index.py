@@ -309,7 +309,6 @@ class CheckpointIndex:
             return RefreshStats()
         listed_at = time.time_ns()
         added = changed = invalid = 0
-        seen: set[Path] = set()
         names: dict[str, tuple[Path, int]] = {}
         known_names = self._names
         sigs = self._sigs
@@ -330,7 +329,6 @@ class CheckpointIndex:
                         path = known[0]
                         if not restat and dirent.inode() == known[1]:
                             names[name] = known
-                            seen.add(path)
                             continue
                     try:
                         st = dirent.stat()
@@ -339,7 +337,6 @@ class CheckpointIndex:
                     if not dirent.is_file():
                         continue
                     names[name] = (path, st.st_ino)
-                    seen.add(path)
                     sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
                     if sigs.get(path) == sig:
                         continue
@@ -350,10 +347,16 @@ class CheckpointIndex:
                         added += outcome[0] == "added"
                         changed += outcome[0] == "changed"
                         invalid += outcome[1]
+        # Names are compared as strings: hashing 10,000 Paths costs more than the listing.
+        vanished = [known_names[n][0] for n in known_names.keys() - names.keys()]
         self._names = names
+        if len(sigs) - len(vanished) == len(names):
+            removed = self._drop_paths(vanished)
+        else:  # paths known from elsewhere than this listing (entries set by hand)
+            removed = self._drop_unseen({path for path, _ in names.values()})
         settled = listed_at - max(dst.st_mtime_ns, dst.st_ctime_ns) >= DIR_SETTLE_NS
         self._dir_sig = dir_sig if settled and it is not None else None
-        return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
+        return RefreshStats(added, changed, removed, invalid)
 
     def _update(self, path: Path, sig: tuple, read) -> tuple[str, bool] | None:
         """Re-read ``path`` if its signature changed: None, or ("added"|"changed", whether invalid)."""
@@ -370,6 +373,16 @@ class CheckpointIndex:
             return kind, True
         self._entries[path] = entry_or_reason
         return kind, False
+
+    def _drop_paths(self, paths: list[Path]) -> int:
+        """Forget these files; returns how many valid entries went."""
+        removed = 0
+        for path in paths:
+            self._sigs.pop(path, None)
+            removed += path in self._entries
+            self._entries.pop(path, None)
+            self._invalid.pop(path, None)
+        return removed
 
     def _drop_unseen(self, seen) -> int:
         """Forget files no longer in the directory; returns how many valid entries went."""
