@@ -167,6 +167,7 @@ class _EntryTable(dict[Path, IndexEntry]):
         self.group_key: list[int] = []  # per text in `texts`: best sort_key of its group
         self.lengths: list[int] = []
         self.by_len: dict[int, dict[str, list[IndexEntry]]] = {}
+        self.by_sha: dict[str, list[IndexEntry]] = {}
         self._snapshot: tuple[IndexEntry, ...] | None = ()
 
     def sort_key(self, entry: IndexEntry) -> int:
@@ -210,6 +211,7 @@ class _EntryTable(dict[Path, IndexEntry]):
 
     def _link(self, entry: IndexEntry) -> None:
         self._snapshot = None
+        self._by_seq(self.by_sha.setdefault(entry.sha1, []), entry)
         if entry.text is not None and self.trust_text:
             text = entry.text
             group = self.by_text.get(text)
@@ -229,6 +231,10 @@ class _EntryTable(dict[Path, IndexEntry]):
 
     def _unlink(self, entry: IndexEntry) -> None:
         self._snapshot = None
+        same_sha = self.by_sha[entry.sha1]
+        same_sha.remove(entry)
+        if not same_sha:
+            del self.by_sha[entry.sha1]
         if entry.text is not None and self.trust_text:
             group = self.by_text[entry.text]
             group.remove(entry)
@@ -417,10 +423,9 @@ class CheckpointIndex:
         )
 
     def get(self, sha1: str) -> IndexEntry | None:
-        for entry in self._entries.values():
-            if entry.sha1 == sha1.lower():
-                return entry
-        return None
+        """The first indexed entry named `sha1` (a name can repeat only across directories)."""
+        same = self._entries.by_sha.get(sha1.lower())
+        return same[0] if same else None
 
     def lookup(
         self,

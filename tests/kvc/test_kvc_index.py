@@ -230,7 +230,7 @@ entry_specs = st.lists(
 def test_lookup_matches_brute_force_reference(
     specs, removed, prompts, min_tokens, ctx, quant, reject, verify_text
 ) -> None:
-    """Hit, miss explanation and counts equal the definition, for entries with and without texts.
+    """Hit, miss explanation, counts and `get` equal the definition, for entries with and without texts.
 
     Texts nest and collide often;
     repeated texts (same name in several directories) exercise the tie rules; removing and
@@ -262,6 +262,9 @@ def test_lookup_matches_brute_force_reference(
         assert (res.nearest, res.diverge_at) == (nearest, diverge_at)
         assert (res.nearest_skip or "").split(":")[0] == (why or "")
         assert (res.skipped, res.candidates, res.hashed_lengths) == (skipped, candidates, lengths)
+    for text, *_ in specs:
+        sha = hashlib.sha1(text).hexdigest()
+        assert idx.get(sha) is next((e for e in idx._entries.values() if e.sha1 == sha), None)
 
 
 # ---------------------------------------------------------------- cheap rescans
