@@ -7,13 +7,15 @@ touch and remove files at any time. Not thread-safe: one index per thread, or a 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import functools
 import hashlib
 import os
 import stat
-from collections.abc import Container
+import time
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,12 @@ from .header import KvcHeader
 
 PathArg = str | os.PathLike[str]
 _StatSig = tuple[int, int, int, int]
+
+#: A directory whose mtime/ctime is at least this old when listed is trusted to be unchanged while
+#: they stay the same; a younger one is listed again (a change within the same timestamp tick as
+#: the listing would not move them).
+DIR_SETTLE_NS = 1_000_000_000
+_SEQ_BITS = 40  # insertion numbers fit below tokens in one int sort key
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,6 +61,15 @@ class RefreshStats:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LookupTally:
+    """How the filters split the index for one lookup (see `LookupResult`)."""
+
+    candidates: int
+    hashed_lengths: int
+    skipped: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class LookupResult:
     """Outcome of a prefix lookup, with enough detail to explain a miss in a trace.
 
@@ -61,17 +78,38 @@ class LookupResult:
     diverge_at: byte offset where the prompt and `nearest`'s text first differ (== the
         entry's text length when its whole text is a prefix of the prompt).
     nearest_skip: why `nearest` was not usable when its whole text matched (filter reason).
-    skipped: how many entries each filter removed.
+    candidates / hashed_lengths / skipped (counted on first use, from the entries the lookup
+    saw, so a lookup does not walk the whole index): entries that passed the filters, their
+    distinct text lengths, and how many entries each filter removed.
     """
 
     hit: IndexEntry | None
     prompt_bytes: int
-    candidates: int
-    hashed_lengths: int
-    skipped: dict[str, int]
     nearest: IndexEntry | None = None
     diverge_at: int | None = None
     nearest_skip: str | None = None
+    count: Callable[[], LookupTally] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _tally: LookupTally | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def tally(self) -> LookupTally:
+        if self._tally is None:
+            tally = self.count() if self.count is not None else LookupTally(0, 0, {})
+            object.__setattr__(self, "_tally", tally)
+        assert self._tally is not None
+        return self._tally
+
+    @property
+    def candidates(self) -> int:
+        return self.tally.candidates
+
+    @property
+    def hashed_lengths(self) -> int:
+        return self.tally.hashed_lengths
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return self.tally.skipped
 
     def describe(self) -> str:
         """One line for logs / --trace."""
@@ -104,18 +142,137 @@ def _common_prefix(a: bytes, b: bytes) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    if a[:n] == b[:n]:
+    if a.startswith(b) if len(a) >= len(b) else b.startswith(a):
         return n
     diff = np.flatnonzero(np.frombuffer(a, np.uint8, count=n) != np.frombuffer(b, np.uint8, count=n))
     return int(diff[0])
 
 
+def _prefix_range_end(texts: list[bytes], head: bytes, lo: int) -> int:
+    """End of the run of sorted `texts` (from `lo`) that start with `head`."""
+    stem = head.rstrip(b"\xff")
+    if not stem:
+        return len(texts)
+    return bisect.bisect_left(texts, stem[:-1] + bytes([stem[-1] + 1]), lo)
+
+
+class _EntryTable(dict[Path, IndexEntry]):
+    """path -> entry, keeping the lookup structures in step with every insert and removal.
+
+    Entries whose text is known to hash to their name (`trust_text`) sit in `texts`, the sorted
+    distinct texts, so the texts that are prefixes of a prompt are found by bisection. The others
+    (no text kept, or text not verified) are matched by name: `by_len[text length][sha1]`.
+    Groups list their entries in insertion order (`seq`), the order the old full walk saw them in.
+    """
+
+    def __init__(self, trust_text: bool) -> None:
+        super().__init__()
+        self.trust_text = trust_text
+        self.seq: dict[Path, int] = {}
+        self._next_seq = 0
+        self.texts: list[bytes] = []
+        self.by_text: dict[bytes, list[IndexEntry]] = {}
+        self.group_key: list[int] = []  # per text in `texts`: best sort_key of its group
+        self.lengths: list[int] = []
+        self.by_len: dict[int, dict[str, list[IndexEntry]]] = {}
+        self.by_sha: dict[str, list[IndexEntry]] = {}
+        self._snapshot: tuple[IndexEntry, ...] | None = ()
+
+    def sort_key(self, entry: IndexEntry) -> int:
+        """More tokens first, then the earlier inserted: the full walk's tie rule as one int."""
+        return (entry.header.tokens << _SEQ_BITS) - self.seq[entry.path]
+
+    def snapshot(self) -> tuple[IndexEntry, ...]:
+        if self._snapshot is None:
+            self._snapshot = tuple(self.values())
+        return self._snapshot
+
+    def __setitem__(self, path: Path, entry: IndexEntry) -> None:
+        if path in self:
+            self._unlink(super().__getitem__(path))
+        else:
+            self.seq[path] = self._next_seq
+            self._next_seq += 1
+        super().__setitem__(path, entry)
+        self._link(entry)
+
+    def __delitem__(self, path: Path) -> None:
+        self._unlink(super().__getitem__(path))
+        super().__delitem__(path)
+        del self.seq[path]
+
+    def pop(self, path: Path, *default: object):  # type: ignore[override]
+        if path not in self:
+            if default:
+                return default[0]
+            raise KeyError(path)
+        entry = super().__getitem__(path)
+        del self[path]
+        return entry
+
+    def clear(self) -> None:
+        for path in list(self):
+            del self[path]
+
+    def _by_seq(self, group: list[IndexEntry], entry: IndexEntry) -> None:
+        bisect.insort(group, entry, key=lambda e: self.seq[e.path])
+
+    def _link(self, entry: IndexEntry) -> None:
+        self._snapshot = None
+        self._by_seq(self.by_sha.setdefault(entry.sha1, []), entry)
+        if entry.text is not None and self.trust_text:
+            text = entry.text
+            group = self.by_text.get(text)
+            if group is None:
+                group = self.by_text[text] = []
+                at = bisect.bisect_left(self.texts, text)
+                self.texts.insert(at, text)
+                self.group_key.insert(at, 0)
+            self._by_seq(group, entry)
+            self._rekey(text)
+            return
+        by_sha = self.by_len.get(entry.text_bytes)
+        if by_sha is None:
+            by_sha = self.by_len[entry.text_bytes] = {}
+            bisect.insort(self.lengths, entry.text_bytes)
+        self._by_seq(by_sha.setdefault(entry.sha1, []), entry)
+
+    def _unlink(self, entry: IndexEntry) -> None:
+        self._snapshot = None
+        same_sha = self.by_sha[entry.sha1]
+        same_sha.remove(entry)
+        if not same_sha:
+            del self.by_sha[entry.sha1]
+        if entry.text is not None and self.trust_text:
+            group = self.by_text[entry.text]
+            group.remove(entry)
+            if group:
+                self._rekey(entry.text)
+                return
+            del self.by_text[entry.text]
+            at = bisect.bisect_left(self.texts, entry.text)
+            del self.texts[at]
+            del self.group_key[at]
+            return
+        by_sha = self.by_len[entry.text_bytes]
+        group = by_sha[entry.sha1]
+        group.remove(entry)
+        if not group:
+            del by_sha[entry.sha1]
+            if not by_sha:
+                del self.by_len[entry.text_bytes]
+                self.lengths.remove(entry.text_bytes)
+
+    def _rekey(self, text: bytes) -> None:
+        at = bisect.bisect_left(self.texts, text)
+        self.group_key[at] = max(self.sort_key(e) for e in self.by_text[text])
+
+
 class CheckpointIndex:
     """The valid checkpoints of one directory, keyed by path.
 
-    Files are valid when their name is `<40 hex>.kv`, they are regular files (a link is listed
-    as invalid and never followed), their header parses, header + text + payload fit the file,
-    and (with `verify_text`, default) SHA-1(text) matches the name.
+    Files are valid when their name is `<40 hex>.kv`, their header parses, header + text +
+    payload fit the file, and (with `verify_text`, default) SHA-1(text) matches the name.
     Invalid files are remembered in `invalid` (path -> reason) and, like ds4, never deleted
     here. With `keep_text` (default) entry texts stay in memory to explain misses.
     """
@@ -124,9 +281,11 @@ class CheckpointIndex:
         self.directory = Path(directory)
         self.keep_text = keep_text
         self.verify_text = verify_text
-        self._entries: dict[Path, IndexEntry] = {}
+        self._entries: _EntryTable = _EntryTable(trust_text=verify_text)
         self._invalid: dict[Path, str] = {}
         self._sigs: dict[Path, _StatSig] = {}
+        self._names: dict[str, tuple[Path, int]] = {}  # listed name -> (path, inode)
+        self._dir_sig: tuple[int, int, int] | None = None  # a settled, fully listed directory
 
     @property
     def entries(self) -> list[IndexEntry]:
@@ -144,10 +303,29 @@ class CheckpointIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def refresh(self) -> RefreshStats:
-        """Re-stat the directory; re-read headers of new or changed files, drop vanished ones."""
+    def refresh(self, *, restat: bool = True) -> RefreshStats:
+        """Re-list the directory; re-read headers of new or changed files, drop vanished ones.
+
+        restat (default): stat every file, so in-place rewrites (`touch_checkpoint`'s hit count
+        and last-use time, a KTM trailer rewrite) are seen. Without it only what the listing
+        shows is checked: new names and names whose inode changed (a file replaced by rename),
+        and a directory whose mtime/ctime/inode are unchanged since a settled listing is not
+        listed at all. In-place rewrites change no prefix-match field (text, tokens, context,
+        quant), so lookups may use the cheap form; eviction, which orders by hits, restats.
+        """
+        try:
+            dst = os.stat(self.directory)
+        except FileNotFoundError:
+            self._names, self._dir_sig = {}, None
+            return RefreshStats(removed=self._drop_unseen(set()))
+        dir_sig = (dst.st_mtime_ns, dst.st_ctime_ns, dst.st_ino)
+        if not restat and dir_sig == self._dir_sig:
+            return RefreshStats()
+        listed_at = time.time_ns()
         added = changed = invalid = 0
-        seen: set[Path] = set()
+        names: dict[str, tuple[Path, int]] = {}
+        known_names = self._names
+        sigs = self._sigs
         try:
             it = os.scandir(self.directory)
         except FileNotFoundError:
@@ -155,19 +333,29 @@ class CheckpointIndex:
         if it is not None:
             with it:
                 for dirent in it:
-                    if not KV_NAME_RE.match(dirent.name):
-                        continue
-                    path = Path(dirent.path)
+                    name = dirent.name
+                    known = known_names.get(name)
+                    if known is None:
+                        if not KV_NAME_RE.match(name):
+                            continue
+                        path = Path(dirent.path)
+                    else:
+                        path = known[0]
+                        if not restat and dirent.inode() == known[1]:
+                            names[name] = known
+                            continue
                     try:
                         st = dirent.stat(follow_symlinks=False)  # a link is judged, never followed
                     except OSError:
                         continue
                     if stat.S_ISDIR(st.st_mode):
                         continue
-                    seen.add(path)
+                    names[name] = (path, st.st_ino)
                     sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                    if sigs.get(path) == sig:
+                        continue
                     if stat.S_ISREG(st.st_mode):
-                        read = functools.partial(self._read, path, dirent.name, st.st_mtime_ns)
+                        read = functools.partial(self._read, path, name, st.st_mtime_ns)
                     else:
                         read = functools.partial(_not_followed, st.st_mode)
                     outcome = self._update(path, sig, read)
@@ -175,7 +363,16 @@ class CheckpointIndex:
                         added += outcome[0] == "added"
                         changed += outcome[0] == "changed"
                         invalid += outcome[1]
-        return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
+        # Names are compared as strings: hashing 10,000 Paths costs more than the listing.
+        vanished = [known_names[n][0] for n in known_names.keys() - names.keys()]
+        self._names = names
+        if len(sigs) - len(vanished) == len(names):
+            removed = self._drop_paths(vanished)
+        else:  # paths known from elsewhere than this listing (entries set by hand)
+            removed = self._drop_unseen({path for path, _ in names.values()})
+        settled = listed_at - max(dst.st_mtime_ns, dst.st_ctime_ns) >= DIR_SETTLE_NS
+        self._dir_sig = dir_sig if settled and it is not None else None
+        return RefreshStats(added, changed, removed, invalid)
 
     def _update(self, path: Path, sig: tuple, read) -> tuple[str, bool] | None:
         """Re-read ``path`` if its signature changed: None, or ("added"|"changed", whether invalid)."""
@@ -192,6 +389,16 @@ class CheckpointIndex:
             return kind, True
         self._entries[path] = entry_or_reason
         return kind, False
+
+    def _drop_paths(self, paths: list[Path]) -> int:
+        """Forget these files; returns how many valid entries went."""
+        removed = 0
+        for path in paths:
+            self._sigs.pop(path, None)
+            removed += path in self._entries
+            self._entries.pop(path, None)
+            self._invalid.pop(path, None)
+        return removed
 
     def _drop_unseen(self, seen) -> int:
         """Forget files no longer in the directory; returns how many valid entries went."""
@@ -226,10 +433,9 @@ class CheckpointIndex:
         )
 
     def get(self, sha1: str) -> IndexEntry | None:
-        for entry in self._entries.values():
-            if entry.sha1 == sha1.lower():
-                return entry
-        return None
+        """The first indexed entry named `sha1` (a name can repeat only across directories)."""
+        same = self._entries.by_sha.get(sha1.lower())
+        return same[0] if same else None
 
     def lookup(
         self,
@@ -246,50 +452,135 @@ class CheckpointIndex:
 
         Entries are skipped when text_bytes > len(prompt), tokens < min_tokens, ctx_size >
         the current ctx_size (when given), or, with reject_different_quant, quant_bits
-        differ. Best = longest text, ties to more tokens. Matching hashes the prompt once:
-        one SHA-1 pass that snapshots the digest at each distinct candidate length, so the
-        cost is O(len(prompt) + distinct lengths), not O(files x prompt). Call `refresh()`
-        first to see other processes' changes. Unlike ds4 the prompt is not cut at a NUL.
+        differ. Best = longest text, ties to more tokens, then to the earlier indexed entry.
+        Entries with verified texts are kept sorted, so the prefixes of the prompt are found by
+        bisection (cost ~ log(entries) per prefix tried, whatever the index size); entries
+        without text are matched by one SHA-1 pass over their distinct lengths. Call
+        `refresh()` first to see other processes' changes. Unlike ds4 the prompt is not cut at a NUL.
         Entries whose path is in `exclude` (set aside by the caller) are skipped as "set_aside".
         """
         prompt = bytes(prompt)
-        skipped: collections.Counter[str] = collections.Counter()
-        by_len: dict[int, dict[str, list[IndexEntry]]] = collections.defaultdict(
-            lambda: collections.defaultdict(list)
+        filters = (min_tokens, ctx_size, quant_bits if reject_different_quant else None, exclude)
+        best = self._longest_text_prefix(prompt, filters)
+        hashed = self._longest_hashed_prefix(prompt, filters)
+        table = self._entries
+        if hashed is not None and (
+            best is None
+            or (hashed.text_bytes, table.sort_key(hashed)) > (best.text_bytes, table.sort_key(best))
+        ):
+            best = hashed
+        snapshot = table.snapshot()
+        result = LookupResult(
+            best,
+            len(prompt),
+            count=lambda: self._tally(
+                snapshot, len(prompt), min_tokens, ctx_size, quant_bits, reject_different_quant, exclude
+            ),
         )
+        if best is not None or not explain:
+            return result
+        if table.trust_text:
+            return self._explain_miss_sorted(
+                result, prompt, min_tokens, ctx_size, quant_bits, reject_different_quant
+            )
+        return self._explain_miss(result, prompt, min_tokens, ctx_size, quant_bits, reject_different_quant)
+
+    @staticmethod
+    def _usable_top(
+        group: list[IndexEntry], filters: tuple[int, int | None, int | None, Container[Path]]
+    ) -> IndexEntry | None:
+        """The group's usable entry with most tokens (the first such on ties), or None."""
+        min_tokens, ctx_size, quant_bits, exclude = filters
+        top: IndexEntry | None = None
+        for e in group:
+            h = e.header
+            if (
+                e.path in exclude
+                or h.tokens < min_tokens
+                or (ctx_size is not None and h.ctx_size > ctx_size)
+                or (quant_bits is not None and h.quant_bits != quant_bits)
+            ):
+                continue
+            if top is None or h.tokens > top.header.tokens:
+                top = e
+        return top
+
+    def _longest_text_prefix(
+        self, prompt: bytes, filters: tuple[int, int | None, int | None, Container[Path]]
+    ) -> IndexEntry | None:
+        """Walk down the sorted texts: each step finds the next shorter text that can still be a prefix.
+
+        Invariant: no text at index >= `hi` is a usable prefix of the prompt. The text just
+        below `hi` is the greatest one <= the current probe (a prefix of the prompt); if it is
+        a prefix its group is tried, else every prefix of the prompt shorter than their common
+        part sorts below the probe cut to that common part.
+        """
+        texts = self._entries.texts
+        hi = bisect.bisect_right(texts, prompt)
+        while hi > 0:
+            text = texts[hi - 1]
+            if prompt.startswith(text):
+                top = self._usable_top(self._entries.by_text[text], filters)
+                if top is not None:
+                    return top
+                if not text:
+                    return None
+                probe_len = len(text) - 1
+            else:
+                probe_len = _common_prefix(prompt, text)
+            hi = bisect.bisect_right(texts, prompt[:probe_len], 0, hi - 1)
+        return None
+
+    def _longest_hashed_prefix(
+        self, prompt: bytes, filters: tuple[int, int | None, int | None, Container[Path]]
+    ) -> IndexEntry | None:
+        """Entries matched by name: one SHA-1 pass snapshotting the digest at each stored length."""
+        table = self._entries
+        lengths = table.lengths
+        stop = bisect.bisect_right(lengths, len(prompt))
+        if stop == 0:
+            return None
+        best: IndexEntry | None = None
+        hasher = hashlib.sha1()
+        pos = 0
+        view = memoryview(prompt)
+        for length in lengths[:stop]:
+            hasher.update(view[pos:length])
+            pos = length
+            group = table.by_len[length].get(hasher.copy().hexdigest())
+            if group:
+                top = self._usable_top(group, filters)
+                if top is not None:
+                    best = top  # lengths ascend: a later match is longer
+        return best
+
+    @classmethod
+    def _tally(
+        cls,
+        entries: tuple[IndexEntry, ...],
+        prompt_len: int,
+        min_tokens: int,
+        ctx_size: int | None,
+        quant_bits: int | None,
+        reject_different_quant: bool,
+        exclude: Container[Path],
+    ) -> LookupTally:
+        skipped: collections.Counter[str] = collections.Counter()
+        lengths: set[int] = set()
         candidates = 0
-        for entry in self._entries.values():
+        for entry in entries:
             if entry.path in exclude:
                 skipped["set_aside"] += 1
                 continue
-            reason = self._skip_reason(
-                entry, len(prompt), min_tokens, ctx_size, quant_bits, reject_different_quant
+            reason = cls._skip_reason(
+                entry, prompt_len, min_tokens, ctx_size, quant_bits, reject_different_quant
             )
             if reason is not None:
                 skipped[reason.split(":")[0]] += 1
                 continue
             candidates += 1
-            by_len[entry.text_bytes][entry.sha1].append(entry)
-
-        best: IndexEntry | None = None
-        hasher = hashlib.sha1()
-        pos = 0
-        view = memoryview(prompt)
-        for length in sorted(by_len):
-            hasher.update(view[pos:length])
-            pos = length
-            matches = by_len[length].get(hasher.copy().hexdigest())
-            if matches:
-                top = max(matches, key=lambda e: e.header.tokens)
-                if best is None or (top.text_bytes, top.header.tokens) > (
-                    best.text_bytes,
-                    best.header.tokens,
-                ):
-                    best = top
-        result = LookupResult(best, len(prompt), candidates, len(by_len), dict(skipped))
-        if best is not None or not explain:
-            return result
-        return self._explain_miss(result, prompt, min_tokens, ctx_size, quant_bits, reject_different_quant)
+            lengths.add(entry.text_bytes)
+        return LookupTally(candidates, len(lengths), dict(skipped))
 
     @staticmethod
     def _skip_reason(
@@ -320,7 +611,10 @@ class CheckpointIndex:
         quant_bits: int | None,
         reject_different_quant: bool,
     ) -> LookupResult:
-        """Find the entry sharing the longest prefix with the prompt (texts kept in memory only)."""
+        """Find the entry sharing the longest prefix with the prompt by walking every kept text.
+
+        Used when texts are not verified against names (they are then not in the sorted list).
+        """
         nearest: IndexEntry | None = None
         best_common = -1
         for entry in self._entries.values():
@@ -343,3 +637,40 @@ class CheckpointIndex:
                 nearest, len(prompt), min_tokens, ctx_size, quant_bits, reject_different_quant
             )
         return dataclasses.replace(result, nearest=nearest, diverge_at=best_common, nearest_skip=skip)
+
+    def _explain_miss_sorted(
+        self,
+        result: LookupResult,
+        prompt: bytes,
+        min_tokens: int,
+        ctx_size: int | None,
+        quant_bits: int | None,
+        reject_different_quant: bool,
+    ) -> LookupResult:
+        """`_explain_miss` on the sorted texts: same ranking (common prefix, whole text, tokens, order).
+
+        The longest common prefix with the prompt is found at the prompt's neighbours in sort
+        order; every text sharing that much is in one run of the sorted list, and within it
+        a text equal to that common part (a whole-text match) sorts first.
+        """
+        table = self._entries
+        texts = table.texts
+        if not texts:
+            return result
+        at = bisect.bisect_left(texts, prompt)
+        common = max(_common_prefix(prompt, texts[j]) for j in (at - 1, at) if 0 <= j < len(texts))
+        head = prompt[:common]
+        lo = bisect.bisect_left(texts, head)
+        if texts[lo] == head:
+            group = table.by_text[head]
+        else:
+            hi = _prefix_range_end(texts, head, lo)
+            key = max(table.group_key[lo:hi])
+            group = table.by_text[texts[table.group_key.index(key, lo, hi)]]
+        nearest = max(group, key=table.sort_key)
+        skip = None
+        if common == nearest.text_bytes:
+            skip = self._skip_reason(
+                nearest, len(prompt), min_tokens, ctx_size, quant_bits, reject_different_quant
+            )
+        return dataclasses.replace(result, nearest=nearest, diverge_at=common, nearest_skip=skip)

@@ -143,7 +143,8 @@ class Catalog:
         if not force and recent and (version is None or version == self._dir_version):
             return
         try:
-            self._index.refresh()
+            # Unforced: only new or renamed-over files are read, an unchanged directory is not listed.
+            self._index.refresh(restat=force)
         except OSError as exc:  # an object store that does not answer: keep the last listing
             self._refreshed_at = now
             self._log_once.warning(

@@ -362,7 +362,7 @@ class FsspecIndex(CheckpointIndex):
         self._fs = fs
         self._root = root
 
-    def refresh(self):  # type: ignore[override]
+    def refresh(self, *, restat: bool = True):  # type: ignore[override]  # a listing has every stamp
         from ds4_vllm.kvc import RefreshStats
 
         added = changed = invalid = 0
@@ -433,6 +433,11 @@ class GuardedBackend:
         self.transfer_timeout_s = transfer_timeout_s
         self._down_until = -float("inf")
         self._down_reason: str | None = None
+
+    @property
+    def wrapped(self) -> Any:
+        """The fsspec filesystem behind the guard."""
+        return self._fs
 
     def retry_now(self) -> None:
         """Let the next call go to the network although the retry interval has not passed."""

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from kvc_helpers import MICRO, random_payload
 
 from ds4_vllm.kvc import CheckpointIndex, KvcHeader, SaveReason, touch_checkpoint, write_checkpoint
@@ -141,3 +143,207 @@ def test_lookup_scales_with_distinct_lengths(tmp_path: Path) -> None:
     res = idx.lookup(prompt)
     assert res.hit is not None and res.hit.text_bytes == 49_000
     assert res.hashed_lengths <= 100
+
+
+# ---------------------------------------------------------------- lookup against a brute-force reference
+
+FILTER_PREFIX = ("text_longer_than_prompt", "below_min_tokens", "ctx_too_large", "quant_mismatch")
+
+
+def reference_lookup(
+    entries: list, prompt: bytes, min_tokens: int, ctx: int | None, quant: int | None, reject: bool
+):
+    """The definition, spelled out over every entry in index order: (hit, nearest, diverge_at, skip, skipped)."""
+
+    def skip(e) -> str | None:
+        h = e.header
+        if e.text_bytes > len(prompt):
+            return "text_longer_than_prompt"
+        if h.tokens < min_tokens:
+            return "below_min_tokens"
+        if ctx is not None and h.ctx_size > ctx:
+            return "ctx_too_large"
+        if reject and quant is not None and h.quant_bits != quant:
+            return "quant_mismatch"
+        return None
+
+    skipped: dict[str, int] = {}
+    hit, hit_rank = None, None
+    for order, e in enumerate(entries):
+        why = skip(e)
+        if why is not None:
+            skipped[why] = skipped.get(why, 0) + 1
+            continue
+        # Matched by name: the SHA-1 of the prompt's first text_bytes bytes is the entry's.
+        if hashlib.sha1(prompt[: e.text_bytes]).hexdigest() != e.sha1:
+            continue
+        rank = (e.text_bytes, e.header.tokens, -order)
+        if hit_rank is None or rank > hit_rank:
+            hit, hit_rank = e, rank
+    candidates = sum(1 for e in entries if skip(e) is None)
+    lengths = len({e.text_bytes for e in entries if skip(e) is None})
+    if hit is not None:
+        return hit, None, None, None, skipped, candidates, lengths
+    nearest, near_rank = None, None
+    for order, e in enumerate(entries):
+        if e.text is None:
+            continue
+        common = len(os.path.commonprefix([prompt, e.text]))
+        rank = (common, common == e.text_bytes, e.header.tokens, -order)
+        if near_rank is None or rank > near_rank:
+            nearest, near_rank = e, rank
+    if nearest is None:
+        return None, None, None, None, skipped, candidates, lengths
+    why = skip(nearest) if near_rank[1] else None
+    return None, nearest, near_rank[0], why, skipped, candidates, lengths
+
+
+# Two letters (one of them 0xff, the sort order's edge) and short texts: texts are prefixes of the
+# prompts, of each other, or diverge early, most of the time.
+short_texts = st.lists(st.sampled_from(b"a\xff"), min_size=1, max_size=5).map(
+    bytes
+)  # b"" is in the tests above
+prompt_texts = st.lists(st.sampled_from(b"a\xff"), max_size=8).map(bytes)
+entry_specs = st.lists(
+    st.tuples(
+        short_texts, st.integers(0, 12), st.sampled_from([8, 16]), st.sampled_from([2, 4]), st.booleans()
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+# The longer prefix is filtered, the shorter one is the hit.
+@example([(b"a", 10, 8, 2, True), (b"aa", 1, 8, 2, True)], set(), [b"aaa"], 5, None, None, False, True)
+# A miss whose nearest entry is in a run of texts followed by one with more tokens.
+@example([(b"aa", 1, 8, 2, True), (b"\xff", 10, 8, 2, True)], set(), [b"a\xff"], 0, None, None, False, True)
+@given(
+    specs=entry_specs,
+    removed=st.sets(st.integers(0, 29), max_size=8),
+    prompts=st.lists(prompt_texts, min_size=1, max_size=4),
+    min_tokens=st.integers(0, 8),
+    ctx=st.sampled_from([None, 8, 16]),
+    quant=st.sampled_from([None, 2, 4]),
+    reject=st.booleans(),
+    verify_text=st.booleans(),
+)
+def test_lookup_matches_brute_force_reference(
+    specs, removed, prompts, min_tokens, ctx, quant, reject, verify_text
+) -> None:
+    """Hit, miss explanation, counts and `get` equal the definition, for entries with and without texts.
+
+    Texts nest and collide often;
+    repeated texts (same name in several directories) exercise the tie rules; removing and
+    re-adding entries exercises the structures' upkeep and the order ties fall back on.
+    """
+    from ds4_vllm.kvc.index import IndexEntry
+
+    base = KvcHeader.new(quant_bits=2, reason=1, tokens=5, ctx_size=10, now=1)
+    idx = CheckpointIndex("/nonexistent", verify_text=verify_text)
+    for i, (text, tokens, ctx_size, q, keep) in enumerate(specs):
+        sha = hashlib.sha1(text).hexdigest()
+        p = Path(f"/x/{i}/{sha}.kv")
+        header = dataclasses.replace(base, tokens=tokens, ctx_size=ctx_size, quant_bits=q)
+        idx._entries[p] = IndexEntry(p, sha, header, len(text), 100, 0, text if keep else None)
+    for i in sorted(removed):
+        paths = list(idx._entries)
+        if i < len(paths):
+            entry = idx._entries.pop(paths[i])
+            if i % 2:
+                idx._entries[entry.path] = entry  # re-added: now last in order
+    for prompt in prompts:
+        res = idx.lookup(
+            prompt, min_tokens=min_tokens, ctx_size=ctx, quant_bits=quant, reject_different_quant=reject
+        )
+        hit, nearest, diverge_at, why, skipped, candidates, lengths = reference_lookup(
+            list(idx._entries.values()), prompt, min_tokens, ctx, quant, reject
+        )
+        assert res.hit is hit
+        assert (res.nearest, res.diverge_at) == (nearest, diverge_at)
+        assert (res.nearest_skip or "").split(":")[0] == (why or "")
+        assert (res.skipped, res.candidates, res.hashed_lengths) == (skipped, candidates, lengths)
+    for text, *_ in specs:
+        sha = hashlib.sha1(text).hexdigest()
+        assert idx.get(sha) is next((e for e in idx._entries.values() if e.sha1 == sha), None)
+
+
+# ---------------------------------------------------------------- cheap rescans
+
+
+def counting_scandir(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count directory listings and per-file stat calls the index makes."""
+    import ds4_vllm.kvc.index as index_mod
+
+    calls = {"listings": 0, "stats": 0}
+    real_scandir = os.scandir
+
+    class CountingEntry:
+        def __init__(self, entry: os.DirEntry) -> None:
+            self._entry = entry
+            self.name, self.path = entry.name, entry.path
+
+        def stat(self, *, follow_symlinks: bool = True):
+            calls["stats"] += 1
+            return self._entry.stat(follow_symlinks=follow_symlinks)
+
+        def inode(self) -> int:
+            return self._entry.inode()
+
+        def is_file(self) -> bool:
+            return self._entry.is_file()
+
+    class CountingScandir:
+        def __init__(self, path) -> None:
+            calls["listings"] += 1
+            self._it = real_scandir(path)
+
+        def __iter__(self):
+            return (CountingEntry(e) for e in self._it)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self._it.close()
+
+    monkeypatch.setattr(index_mod.os, "scandir", CountingScandir)
+    return calls
+
+
+def test_unchanged_directory_rescan_reads_and_stats_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ds4_vllm.kvc.index as index_mod
+
+    monkeypatch.setattr(index_mod, "DIR_SETTLE_NS", 0)  # this test's directory counts as settled at once
+    files = [store(tmp_path, b"text %d" % i, tokens=3 + i) for i in range(5)]
+    idx = index_of(tmp_path)
+    calls = counting_scandir(monkeypatch)
+    reads = []
+    real = index_mod.read_prefix
+    monkeypatch.setattr(index_mod, "read_prefix", lambda p, **kw: reads.append(Path(p).name) or real(p, **kw))
+
+    assert idx.refresh(restat=False) == type(idx.refresh(restat=False))()
+    assert (calls, reads) == ({"listings": 0, "stats": 0}, [])
+
+    store(tmp_path, b"text 0", tokens=9)  # same name, replaced by rename: a new inode
+    added = store(tmp_path, b"new text", tokens=4)
+    stats = idx.refresh(restat=False)
+    assert (stats.added, stats.changed, stats.removed) == (1, 1, 0)
+    assert calls == {"listings": 1, "stats": 2} and sorted(reads) == sorted([files[0].name, added.name])
+    assert idx.get(files[0].name[:40]).header.tokens == 9
+
+    touch_checkpoint(files[1], now=2000)  # in place: the directory does not change
+    assert idx.refresh(restat=False).changed == 0
+    assert idx.refresh().changed == 1  # a full rescan stats every file and sees it
+    assert calls == {"listings": 2, "stats": 2 + 6} and idx.get(files[1].name[:40]).header.hits == 1
+
+
+def test_young_directory_is_listed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory changed within DIR_SETTLE_NS may change again within the same timestamp tick."""
+    store(tmp_path, b"alpha", tokens=3)
+    idx = index_of(tmp_path)
+    calls = counting_scandir(monkeypatch)
+    idx.refresh(restat=False)
+    idx.refresh(restat=False)
+    assert calls == {"listings": 2, "stats": 0}

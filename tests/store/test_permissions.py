@@ -24,7 +24,7 @@ from ds4_vllm.serving.usage import CacheUsage
 from ds4_vllm.serving.usage_counters import COUNTERS_FILE, LOCK_FILE, UsageCounters
 from ds4_vllm.store import CheckpointWriter, LoadReport
 from ds4_vllm.store.checkpoint_store import CheckpointStore
-from ds4_vllm.store.fs import LEASE_DIR, QUARANTINE_DIR, LocalFS
+from ds4_vllm.store.fs import BUDGET_LOCK_NAME, LEASE_DIR, QUARANTINE_DIR, LocalFS
 from ds4_vllm.store.leases import LeaseBook, marker_name
 from ds4_vllm.store.model_identity import MODEL_MARKER
 from ds4_vllm.store.trace import TraceWriter
@@ -71,6 +71,9 @@ def test_store_creates_directory_marker_and_checkpoints_private(tmp_path: Path, 
     # The connector's worker path: a ticket admitted by the scheduler side, written by CheckpointWriter.
     admission = store.admit(text_of(toks(30)), toks(30), header(30), store.file_size(60, 4096))
     assert admission.ticket is not None
+    reservations = [p.name for p in directory.iterdir() if ".kv.tmp." in p.name]
+    assert len(reservations) == 1, "an admitted write reserves its bytes in a file other processes count"
+    assert_private(root)
     report = CheckpointWriter(store.fs, None).write(
         admission.ticket, text_of(toks(30)), header(30), payload(toks(30))
     )
@@ -78,6 +81,7 @@ def test_store_creates_directory_marker_and_checkpoints_private(tmp_path: Path, 
     assert report.stored
     assert {p.name for p in directory.iterdir()} == {
         MODEL_MARKER,
+        BUDGET_LOCK_NAME,
         Path(result.path).name,
         Path(report.path).name,
     }
@@ -173,6 +177,8 @@ KNOWN_WRITERS = {
         "ds4_vllm/store/fs.py",
         "write_private_file",
     ): "marker and counters 0600: test_store_..., test_usage_...",
+    ("ds4_vllm/store/fs.py", "__enter__"): "budget lock 0600: test_store_creates_...",
+    ("ds4_vllm/store/fs.py", "reserve"): "reservation files 0600: test_store_creates_...",
     ("ds4_vllm/store/fs.py", "put_marker"): "lease markers 0600 in a 0700 folder: test_lease_markers_...",
     ("ds4_vllm/store/fs.py", "write"): "fsspec staging in a private temporary directory, then upload",
     ("ds4_vllm/store/trace.py", "__init__"): "trace 0600: test_trace_file_is_private",

@@ -159,7 +159,7 @@ def _write_huge(url: str, tokens: list[int], flag: str) -> None:
 
         os.replace = stall
     else:
-        s3 = fs.fs
+        s3 = fs.fs.wrapped  # the s3fs instance behind GuardedBackend
         s3.put_file = functools.partial(s3.put_file, chunksize=PART_BYTES)
         call = s3._call_s3
 
