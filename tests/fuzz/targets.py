@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import logging
 import os
 import shutil
 import struct
@@ -144,9 +143,6 @@ class ScanWorld:
         from ds4_vllm.store.checkpoint_store import CheckpointStore
         from ds4_vllm.store.options import StoreOptions
 
-        # Quarantine and invalid-file warnings are expected here by the thousand; keep them out
-        # of libFuzzer's output (they would cost more time than the cases themselves).
-        logging.getLogger("ds4_vllm").setLevel(logging.ERROR)
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.root = Path(tempfile.mkdtemp(prefix="ds4-fuzz-scan-", dir=base))
         self.store_dir = self.root / "store"
