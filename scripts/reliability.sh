@@ -14,4 +14,8 @@ export DS4_VLLM_STORE_CRASH_TRIALS="${DS4_VLLM_STORE_CRASH_TRIALS:-500}"  # fork
 export DS4_VLLM_SHARED_DIR_SECONDS="${DS4_VLLM_SHARED_DIR_SECONDS:-120}"  # 6 store processes, one dir
 export DS4_VLLM_CRASH_TRIALS="${DS4_VLLM_CRASH_TRIALS:-50}"                # real servers killed (-9)
 export DS4_VLLM_SHARED_ROUNDS="${DS4_VLLM_SHARED_ROUNDS:-48}"              # conversations, 2 servers
+# Hostile HTTP and load (docs/reliability/http.md).
+export DS4_VLLM_HTTP_EXAMPLES="${DS4_VLLM_HTTP_EXAMPLES:-25}"    # schemathesis cases per operation
+export DS4_VLLM_SOAK_REQUESTS="${DS4_VLLM_SOAK_REQUESTS:-960}"  # 16 clients, restarts between segments
+# Files (docs/reliability/files.md): the fuzzing test runs 100,000 cases per target.
 exec python -m pytest -m reliability -s -p no:cacheprovider "$@"

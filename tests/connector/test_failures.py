@@ -20,7 +20,7 @@ import pytest
 
 from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, random_prompts, shutdown_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
 MAX_TOKENS = 6
 CASES = ["corrupt", "truncated", "removed", "swapped", "disk_full", "read_only"]

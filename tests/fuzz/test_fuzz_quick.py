@@ -13,6 +13,8 @@ from tests.fuzz.campaign import run_target
 from tests.fuzz.seeds import CORPUS, seed_inputs
 from tests.fuzz.targets import TARGETS
 
+pytestmark = pytest.mark.reliability
+
 #: Cases per target in CI: a few seconds each at the rates measured at idle (docs/reliability/files.md).
 QUICK_RUNS = {"prefix": 3000, "checkpoint": 3000, "payload": 3000, "trailer": 3000, "scan": 1000}
 HEAVY_RUNS = 100_000

@@ -15,6 +15,8 @@ from ds4_vllm.cli.kv import verify_file
 from ds4_vllm.kvc import CheckpointIndex, KvcFormatError, open_checkpoint, parse_checkpoint, read_prefix
 from ds4_vllm.kvc.payload import compute_layout
 
+pytestmark = pytest.mark.reliability
+
 INTERESTING_U32 = [
     0,
     1,

@@ -18,6 +18,8 @@ from ds4_vllm.cli.kv import verify_file
 from ds4_vllm.kvc import KvcFormatError, open_checkpoint, parse_checkpoint, read_prefix, touch_checkpoint
 from tests.fuzz.crafted import TOOL_ENTRIES, Crafted, base_file, crafted_files
 
+pytestmark = pytest.mark.reliability
+
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> bytes:

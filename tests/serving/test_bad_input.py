@@ -26,7 +26,7 @@ from ds4_vllm.chat.tokenizer import default_tokenizer
 from tests.e2e.server_process import ServerProcess
 from tests.serving.forced_dsml import forced
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
 MAX_MODEL_LEN = 4096
 TOOL_MEMORY_MAX_IDS = 2

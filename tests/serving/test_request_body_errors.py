@@ -25,6 +25,8 @@ from ds4_vllm.serving.request_body import (
     unparsable_body_problem,
 )
 
+pytestmark = pytest.mark.reliability
+
 
 class Body(BaseModel):
     model: str

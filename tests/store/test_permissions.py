@@ -29,6 +29,8 @@ from ds4_vllm.store.leases import LeaseBook, marker_name
 from ds4_vllm.store.model_identity import MODEL_MARKER
 from ds4_vllm.store.trace import TraceWriter
 
+pytestmark = pytest.mark.reliability
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -30,6 +30,8 @@ from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.fs import FsspecFS, LocalFS
 from ds4_vllm.store.leases import parse_marker
 
+pytestmark = pytest.mark.reliability
+
 
 @pytest.fixture(scope="module")
 def s3_env() -> Iterator[dict[str, str]]:

@@ -223,6 +223,8 @@ from ds4_vllm.store.options import StoreOptions
 from ds4_vllm.store.tool_memory import ToolMemory
 from tests.fuzz.seeds import NANO, NOW, CTX
 
+pytestmark = pytest.mark.reliability
+
 store_dir = Path(sys.argv[1])
 prompt_text, prompt_tokens = bytes.fromhex(sys.argv[2]), json.loads(sys.argv[3])
 vm_kib = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:"))
