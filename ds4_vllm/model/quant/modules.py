@@ -270,16 +270,30 @@ class QuantExperts(nn.Module):
         starts = (torch.cumsum(counts, 0) - counts)[used].tolist()
         used_counts = counts[used].tolist()
         token_of, slot_of = order // top_k, order % top_k
-        group = self.experts_per_group(x.dtype)
-        for g0 in range(0, used.numel(), group):
-            ids = used[g0 : g0 + group]
-            gate = self.gate_proj.expert_weights(ids, x.dtype)
-            up = self.up_proj.expert_weights(ids, x.dtype)
-            down = self.down_proj.expert_weights(ids, x.dtype)
-            for j in range(ids.numel()):
-                start, count = starts[g0 + j], used_counts[g0 + j]
+        for pairs, (gate, up, down) in self._weight_groups(used, x.dtype):
+            for j, w_index in pairs:
+                start, count = starts[j], used_counts[j]
                 tokens = token_of[start : start + count]
                 slots = slot_of[start : start + count]
-                y = self.expert_forward(x[tokens], gate[j], up[j], down[j])
+                y = self.expert_forward(x[tokens], gate[w_index], up[w_index], down[w_index])
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
         return out
+
+    def _weight_groups(self, used: torch.Tensor, dtype: torch.dtype):
+        """(positions in ``used`` paired with the weight index of that expert, (gate, up, down)) per group.
+
+        Float weights already of ``dtype`` are indexed in place (one view per expert, nothing copied
+        per step: a decode step would otherwise copy its experts' weights every layer); packed ones
+        are dequantized group by group within ``dequant_budget_bytes``.
+        """
+        stored = tuple(p.stored_weight() for p in (self.gate_proj, self.up_proj, self.down_proj))
+        if all(isinstance(w, torch.Tensor) and w.dtype == dtype for w in stored):
+            yield list(enumerate(used.tolist())), stored
+            return
+        group = self.experts_per_group(dtype)
+        for g0 in range(0, used.numel(), group):
+            ids = used[g0 : g0 + group]
+            weights = tuple(
+                p.expert_weights(ids, dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)
+            )
+            yield [(g0 + j, j) for j in range(ids.numel())], weights
