@@ -261,6 +261,8 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden]; ``indices``/``weights`` [tokens, top_k] from the router."""
+        if x.shape[0] == 1 and (out := self._forward_one_token(x, indices[0], weights[0])) is not None:
+            return out
         out = torch.zeros_like(x)
         top_k = indices.shape[1]
         flat = indices.flatten()
@@ -277,6 +279,26 @@ class QuantExperts(nn.Module):
                 slots = slot_of[start : start + count]
                 y = self.expert_forward(x[tokens], gate[w_index], up[w_index], down[w_index])
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
+        return out
+
+    def _forward_one_token(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A batch-1 decode step: the token's experts in ascending id order, as the general path adds them.
+
+        Same float operations as `forward` (per expert ``out += y * w`` from zeros, ascending ids),
+        without its sort, bincount and index bookkeeping, which cost more than the experts here.
+        """
+        slot_of = {e: k for k, e in enumerate(indices.tolist())}
+        if len(slot_of) < indices.shape[0]:  # an expert picked twice: the general path sums both
+            return None
+        out = torch.zeros_like(x)
+        expert_ids = sorted(slot_of)
+        scaled = weights.to(x.dtype)
+        for pairs, (gate, up, down) in self._weight_groups(torch.tensor(expert_ids), x.dtype):
+            for j, w_index in pairs:
+                y = self.expert_forward(x, gate[w_index], up[w_index], down[w_index])
+                out.add_(y * scaled[slot_of[expert_ids[j]]])
         return out
 
     def _weight_groups(self, used: torch.Tensor, dtype: torch.dtype):
