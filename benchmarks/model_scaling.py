@@ -15,7 +15,8 @@ Writes ``model_scaling.json`` and ``model_scaling_prefill.png`` into ``--results
 - **Engine**: time to first token of a ``max_tokens=1`` request in `LLM` (prefill tokens/s) and
   the batch-1 decode step, split into our model's work (``Ds4ForCausalLM.forward`` +
   ``compute_logits``, timed inside the worker) and the rest of vLLM's step (scheduler, input
-  preparation, sampler, output processing). The engine core runs in-process for this
+  preparation, sampler, output processing), both timed within each ``LLMEngine.step`` so that
+  the share comes from the same steps. The engine core runs in-process for this
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the timer sees the worker's calls; on CPU every
   op is synchronous, so perf_counter around the forward is its compute time.
 - **Reference**: transformers' eager `DeepseekV4ForCausalLM` on the same weights (default model
@@ -162,50 +163,59 @@ def prefill_scaling(
 
 
 class ModelTimer:
-    """Times ``Ds4ForCausalLM.forward`` and ``compute_logits`` inside an in-process engine.
+    """Times each engine step (``LLMEngine.step``) and our model's part of it, inside an in-process engine.
 
-    Calls are split by the number of tokens they carry: one token is a batch-1 decode step.
+    Our part is ``Ds4ForCausalLM.forward`` + ``compute_logits``. A step whose forward carried one
+    token is a batch-1 decode step; its time and its model time are kept per step, so the share
+    is taken within the same steps (not from two runs that the machine's load may treat apart).
     """
 
     def __init__(self) -> None:
-        self.decode_s = 0.0
-        self.decode_calls = 0
-        self.other_s = 0.0
+        self.decode_steps: list[tuple[float, float]] = []  # (step s, model s) per decode step
+        self._model_s = 0.0
+        self._tokens = 0
 
     def reset(self) -> None:
-        self.decode_s, self.decode_calls, self.other_s = 0.0, 0, 0.0
+        self.decode_steps = []
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[ModelTimer]:
+        from vllm.v1.engine.llm_engine import LLMEngine
+
         from ds4_vllm.model.model import Ds4ForCausalLM
 
-        forward, logits = Ds4ForCausalLM.forward, Ds4ForCausalLM.compute_logits
+        forward, logits, step = Ds4ForCausalLM.forward, Ds4ForCausalLM.compute_logits, LLMEngine.step
         timer = self
 
         def timed_forward(model, input_ids, positions, *args, **kwargs):
             t0 = time.perf_counter()
             out = forward(model, input_ids, positions, *args, **kwargs)
-            timer._add(positions.shape[0], time.perf_counter() - t0, count=True)
+            timer._model_s += time.perf_counter() - t0
+            timer._tokens = max(timer._tokens, int(positions.shape[0]))
             return out
 
         def timed_logits(model, hidden_states):
             t0 = time.perf_counter()
             out = logits(model, hidden_states)
-            timer._add(hidden_states.shape[0], time.perf_counter() - t0, count=False)
+            timer._model_s += time.perf_counter() - t0
+            return out
+
+        def timed_step(engine):
+            timer._model_s, timer._tokens = 0.0, 0
+            t0 = time.perf_counter()
+            out = step(engine)
+            seconds = time.perf_counter() - t0
+            if timer._tokens == 1:
+                timer.decode_steps.append((seconds, timer._model_s))
             return out
 
         Ds4ForCausalLM.forward, Ds4ForCausalLM.compute_logits = timed_forward, timed_logits
+        LLMEngine.step = timed_step
         try:
             yield self
         finally:
             Ds4ForCausalLM.forward, Ds4ForCausalLM.compute_logits = forward, logits
-
-    def _add(self, tokens: int, seconds: float, count: bool) -> None:
-        if tokens == 1:
-            self.decode_s += seconds
-            self.decode_calls += int(count)
-        else:
-            self.other_s += seconds
+            LLMEngine.step = step
 
 
 @contextlib.contextmanager
@@ -255,18 +265,21 @@ def engine_measurements(
 def decode_step(
     llm: Any, timer: ModelTimer, config: Any, context: int, new_tokens: int, repeats: int
 ) -> dict[str, Any]:
-    """Batch-1 decode step at ``context`` tokens: engine step time and our model's part of it."""
+    """Batch-1 decode step at ``context`` tokens: engine step time and our model's part of it.
+
+    Per request, the medians over its decode steps; then the median over ``repeats`` requests.
+    """
     prompts = random_prompts([context] * repeats, seed=7)
     timed_generate(llm, [prompts[0]], 2)  # warm-up at this shape
-    steps, model_ms, loads = [], [], []
+    steps, model_ms, shares, loads = [], [], [], []
     for prompt in prompts:
         loads.append(load_average())
-        first = timed_generate(llm, [prompt], 1)[0]
         timer.reset()
-        total = timed_generate(llm, [prompt], new_tokens)[0]
-        decode_steps = new_tokens - 1
-        steps.append(1000 * (total - first) / decode_steps)
-        model_ms.append(1000 * timer.decode_s / max(timer.decode_calls, 1))
+        timed_generate(llm, [prompt], new_tokens)
+        runs = timer.decode_steps
+        steps.append(1000 * statistics.median(s for s, _ in runs))
+        model_ms.append(1000 * statistics.median(m for _, m in runs))
+        shares.append(statistics.median(m / s for s, m in runs))
     step_ms, ours_ms = statistics.median(steps), statistics.median(model_ms)
     result = {
         "context_tokens": context,
@@ -275,7 +288,8 @@ def decode_step(
         "tokens_per_s": 1000 / step_ms,
         "model_ms": ours_ms,
         "vllm_ms": step_ms - ours_ms,
-        "model_share": ours_ms / step_ms,
+        "model_share": statistics.median(shares),
+        "model_share_runs": shares,
         "step_ms_runs": steps,
         "model_ms_runs": model_ms,
         "flops_per_step": token_flops(config, context),

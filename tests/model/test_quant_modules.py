@@ -133,3 +133,25 @@ def test_quant_experts_dequantize_only_the_selected_experts(monkeypatch: pytest.
     quant(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)), indices, torch.ones(4, 2))
     # gate, up, down for each group of the used experts 0, 2, 5, 7 in ascending order
     assert dequantized == [[0, 2]] * 3 + [[5, 7]] * 3
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_quant_experts_one_token_path_matches_the_general_path_bit_for_bit(packed: bool) -> None:
+    """A decode step (one token) skips the batch bookkeeping; it must add the same floats in the same order."""
+    n_experts, hidden, ffn = 8, 64, 96
+    quant = make_quant_experts(n_experts, hidden, ffn, budget=2 * 3 * hidden * ffn * 4)
+    if not packed:  # float weights are indexed in place instead of dequantized
+        floats = QuantExperts(n_experts, hidden, ffn, limit=7.0)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(floats, name).set_weight(getattr(quant, name).expert_weights(range(n_experts)))
+        quant = floats
+    x = torch.randn(9, hidden, generator=torch.Generator().manual_seed(6))
+    indices, weights = routing(9, n_experts, 6, seed=7)
+    indices[8] = torch.tensor([3, 1, 3, 0, 5, 6])  # an expert listed twice takes the general path
+    fast = [quant(x[t : t + 1], indices[t : t + 1], weights[t : t + 1]) for t in range(9)]
+    taken = [quant._forward_one_token(x[t : t + 1], indices[t], weights[t]) is not None for t in range(9)]
+    assert taken == [True] * 8 + [False]
+    quant._forward_one_token = lambda *args: None  # force the general path
+    general = [quant(x[t : t + 1], indices[t : t + 1], weights[t : t + 1]) for t in range(9)]
+    for t in range(9):
+        assert torch.equal(fast[t], general[t]), f"token {t}"

@@ -261,6 +261,8 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden]; ``indices``/``weights`` [tokens, top_k] from the router."""
+        if x.shape[0] == 1 and (out := self._forward_one_token(x, indices[0], weights[0])) is not None:
+            return out
         out = torch.zeros_like(x)
         top_k = indices.shape[1]
         flat = indices.flatten()
@@ -270,16 +272,50 @@ class QuantExperts(nn.Module):
         starts = (torch.cumsum(counts, 0) - counts)[used].tolist()
         used_counts = counts[used].tolist()
         token_of, slot_of = order // top_k, order % top_k
-        group = self.experts_per_group(x.dtype)
-        for g0 in range(0, used.numel(), group):
-            ids = used[g0 : g0 + group]
-            gate = self.gate_proj.expert_weights(ids, x.dtype)
-            up = self.up_proj.expert_weights(ids, x.dtype)
-            down = self.down_proj.expert_weights(ids, x.dtype)
-            for j in range(ids.numel()):
-                start, count = starts[g0 + j], used_counts[g0 + j]
+        for pairs, (gate, up, down) in self._weight_groups(used, x.dtype):
+            for j, w_index in pairs:
+                start, count = starts[j], used_counts[j]
                 tokens = token_of[start : start + count]
                 slots = slot_of[start : start + count]
-                y = self.expert_forward(x[tokens], gate[j], up[j], down[j])
+                y = self.expert_forward(x[tokens], gate[w_index], up[w_index], down[w_index])
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
         return out
+
+    def _forward_one_token(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A batch-1 decode step: the token's experts in ascending id order, as the general path adds them.
+
+        Same float operations as `forward` (per expert ``out += y * w`` from zeros, ascending ids),
+        without its sort, bincount and index bookkeeping, which cost more than the experts here.
+        """
+        slot_of = {e: k for k, e in enumerate(indices.tolist())}
+        if len(slot_of) < indices.shape[0]:  # an expert picked twice: the general path sums both
+            return None
+        out = torch.zeros_like(x)
+        expert_ids = sorted(slot_of)
+        scaled = weights.to(x.dtype)
+        for pairs, (gate, up, down) in self._weight_groups(torch.tensor(expert_ids), x.dtype):
+            for j, w_index in pairs:
+                y = self.expert_forward(x, gate[w_index], up[w_index], down[w_index])
+                out.add_(y * scaled[slot_of[expert_ids[j]]])
+        return out
+
+    def _weight_groups(self, used: torch.Tensor, dtype: torch.dtype):
+        """(positions in ``used`` paired with the weight index of that expert, (gate, up, down)) per group.
+
+        Float weights already of ``dtype`` are indexed in place (one view per expert, nothing copied
+        per step: a decode step would otherwise copy its experts' weights every layer); packed ones
+        are dequantized group by group within ``dequant_budget_bytes``.
+        """
+        stored = tuple(p.stored_weight() for p in (self.gate_proj, self.up_proj, self.down_proj))
+        if all(isinstance(w, torch.Tensor) and w.dtype == dtype for w in stored):
+            yield list(enumerate(used.tolist())), stored
+            return
+        group = self.experts_per_group(dtype)
+        for g0 in range(0, used.numel(), group):
+            ids = used[g0 : g0 + group]
+            weights = tuple(
+                p.expert_weights(ids, dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)
+            )
+            yield [(g0 + j, j) for j in range(ids.numel())], weights
