@@ -31,7 +31,7 @@ def test_llm_config_routes_by_prefix_and_keeps_ds4_serving_options(monkeypatch) 
     config = llm_config(spec)
     assert config.deployment_config["num_replicas"] == 2
     router = config.deployment_config["request_router_config"]["request_router_class"]
-    assert router.__name__ == "PrefixCacheAffinityRouter"
+    assert router.__name__ == "Ds4PrefixRouter" and router.__mro__[1].__name__ == "PrefixCacheAffinityRouter"
     kwargs = config.engine_kwargs
     assert (kwargs["tool_call_parser"], kwargs["reasoning_parser"]) == ("ds4", "ds4")
     assert kwargs["enable_prompt_tokens_details"] is True and kwargs["dtype"] == "float32"
@@ -60,3 +60,17 @@ def test_forwarded_env_takes_store_and_engine_variables_only() -> None:
 def test_bad_options_are_named(argv: list[str], message: str) -> None:
     with pytest.raises(ArgvError, match=message.replace("[", r"\[")):
         parse_args(["/models/ds4", *argv])
+
+
+def test_token_id_prompts_get_a_prefix_key_and_text_keeps_ray_s() -> None:
+    """Ray 2.60 keyed a token-id completion on "" and divided by zero (the request hung)."""
+    from ds4_vllm.cli.ray_router import TOKEN_CHAR_BASE, Ds4PrefixRouter, token_ids_key
+
+    router = Ds4PrefixRouter.__new__(Ds4PrefixRouter)  # the key functions need no routing state
+    assert router._normalize_prompt_to_string([5, 0, 129279]) == "".join(
+        chr(TOKEN_CHAR_BASE + t) for t in (5, 0, 129279)
+    )
+    assert router._normalize_prompt_to_string([5, 6]).startswith(router._normalize_prompt_to_string([5]))
+    assert router._normalize_prompt_to_string("hello") == "hello"
+    assert router._normalize_prompt_to_string([{"role": "user", "content": "hi"}]) == "hi"
+    assert token_ids_key([]) is None and token_ids_key(["a"]) is None and token_ids_key([-1]) is None

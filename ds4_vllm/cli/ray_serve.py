@@ -3,7 +3,7 @@
 Ray is the engine here: this module only fills in Ray Serve LLM's `LLMConfig` and deploys
 `build_openai_app` on a cluster started with `ray start --head` / `ray start --address=...`.
 N replicas of one vLLM engine each share one checkpoint store (`--kv-disk-dir DIR` on a
-filesystem every node sees, or `s3://bucket/prefix`); Ray's `PrefixCacheAffinityRouter` sends
+filesystem every node sees, or `s3://bucket/prefix`); Ray's `PrefixCacheAffinityRouter` (as `ray_router.Ds4PrefixRouter`) sends
 the turns of a conversation to the replica that served its prefix, any other replica loads
 the prefix from the store. See docs/ray.md.
 
@@ -85,9 +85,9 @@ def llm_config(spec: RayServeSpec):
         "ray_actor_options": {"num_cpus": spec.replica_cpus},
     }
     if spec.prefix_routing:
-        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+        from .ray_router import Ds4PrefixRouter
 
-        deployment["request_router_config"] = {"request_router_class": PrefixCacheAffinityRouter}
+        deployment["request_router_config"] = {"request_router_class": Ds4PrefixRouter}
     return LLMConfig(
         model_loading_config={"model_id": spec.served_model_name, "model_source": spec.model},
         accelerator_config={"kind": "gpu" if _has_gpu() else "cpu"},
@@ -134,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-prefix-routing",
         action="store_true",
-        help="Ray's default router instead of PrefixCacheAffinityRouter",
+        help="Ray's default router instead of the prefix-aware one (Ds4PrefixRouter)",
     )
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra replica variable")
     return p
