@@ -32,6 +32,8 @@ from ds4_vllm.store.tool_memory import ToolMemory, read_tool_map
 from tests.fuzz.crafted import TOKENS, base_file, crafted_files
 from tests.fuzz.seeds import CTX, NANO, NANO4, NOW, payload_data
 
+pytestmark = pytest.mark.reliability
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOOD_TEXT = b"G" * 40
 GOOD_TOKENS = [5, 6, 7, 8, 9, 10, 11, 12, 13]
@@ -222,8 +224,6 @@ from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.options import StoreOptions
 from ds4_vllm.store.tool_memory import ToolMemory
 from tests.fuzz.seeds import NANO, NOW, CTX
-
-pytestmark = pytest.mark.reliability
 
 store_dir = Path(sys.argv[1])
 prompt_text, prompt_tokens = bytes.fromhex(sys.argv[2]), json.loads(sys.argv[3])
