@@ -25,6 +25,7 @@ import pytest
 
 from ds4_vllm.kvc import KvcFormatError, open_checkpoint
 from ds4_vllm.kvc.constants import TMP_MARKER
+from tests.connector.server_runs import ds4disk_flags, reference_answers
 from tests.connector.test_persistence_server import COMMON, answer_ids, complete
 from tests.e2e.server_process import ServerProcess
 from tests.model.engine_helpers import random_prompts
@@ -88,25 +89,10 @@ def test_kill_9_during_save_load_and_evict(tmp_path):
     prompts = random_prompts([PROMPT_TOKENS] * (trials + 1), seed=seed % 10_000)
     tails = random_prompts([TAIL_TOKENS] * (trials + 1), seed=seed % 10_000 + 1)
 
-    reference = ServerProcess(COMMON, tmp_path / "reference.log").start(timeout=START_TIMEOUT_S)
-    try:
-        firsts = [answer_ids(complete(reference, p)) for p in prompts]
-        follow_ups = [p + f + t for p, f, t in zip(prompts, firsts, tails, strict=True)]
-        expected = [answer_ids(complete(reference, f)) for f in follow_ups]
-    finally:
-        reference.stop()
+    firsts, follow_ups, expected = reference_answers(tmp_path, prompts, tails, START_TIMEOUT_S)
 
     disk_dir = tmp_path / "kv"
-    connector = [
-        "--kv-connector",
-        "ds4disk",
-        "--kv-disk-dir",
-        str(disk_dir),
-        "--kv-disk-space-mb",
-        str(BUDGET_MB),
-        "--kv-cache-memory-bytes",
-        str(KV_MEMORY_BYTES),
-    ]
+    connector = ds4disk_flags(disk_dir, BUDGET_MB, KV_MEMORY_BYTES)
     server = ServerProcess(COMMON + connector, tmp_path / "server-0.log").start(timeout=START_TIMEOUT_S)
     # Measure how long a trial's work takes, so kills spread over it.
     started = time.monotonic()

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.connector.server_runs import ds4disk_flags, reference_answers
 from tests.connector.test_persistence_server import COMMON, answer_ids, complete
 from tests.e2e.server_process import ServerProcess
 from tests.model.engine_helpers import random_prompts
@@ -37,25 +38,10 @@ def test_two_servers_share_one_directory(tmp_path):
     rounds = int(os.environ.get("DS4_VLLM_SHARED_ROUNDS", "8"))
     prompts = random_prompts([PROMPT_TOKENS + 40 * i for i in range(rounds)], seed=4242)
     tails = random_prompts([16] * rounds, seed=4243)
-    reference = ServerProcess(COMMON, tmp_path / "reference.log").start(timeout=START_TIMEOUT_S)
-    try:
-        firsts = [answer_ids(complete(reference, p)) for p in prompts]
-        follow_ups = [p + f + t for p, f, t in zip(prompts, firsts, tails, strict=True)]
-        expected = [answer_ids(complete(reference, f)) for f in follow_ups]
-    finally:
-        reference.stop()
+    firsts, follow_ups, expected = reference_answers(tmp_path, prompts, tails, START_TIMEOUT_S)
 
     disk_dir = tmp_path / "kv"
-    connector = [
-        "--kv-connector",
-        "ds4disk",
-        "--kv-disk-dir",
-        str(disk_dir),
-        "--kv-disk-space-mb",
-        str(BUDGET_MB),
-        "--kv-cache-memory-bytes",
-        str(KV_MEMORY_BYTES),
-    ]
+    connector = ds4disk_flags(disk_dir, BUDGET_MB, KV_MEMORY_BYTES)
     servers = [ServerProcess(COMMON + connector, tmp_path / f"server-{i}.log") for i in range(2)]
     peak = {"dir": 0, "largest": 0, "samples": 0}
     stop = threading.Event()
