@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .targets import TARGETS
+from .targets import SCRATCH_ENV, TARGETS, scratch_base
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _STAT = re.compile(r"^stat::(\w+):\s+(\d+)", re.M)
@@ -48,9 +48,12 @@ def run_target(target: str, runs: int, work: Path, *, seed: int = 1, timeout_s: 
     """One target in a subprocess (atheris exits its process when done)."""
     work.mkdir(parents=True, exist_ok=True)
     log = work / "fuzz.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    # libFuzzer ends its process without Python's atexit, so the targets' scratch folders are made
+    # in one this process owns and removes.
+    scratch = tempfile.TemporaryDirectory(prefix=f"ds4-fuzz-{target}-", dir=scratch_base())
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), SCRATCH_ENV: scratch.name}
     started = time.monotonic()
-    with open(log, "wb") as fp:
+    with scratch, open(log, "wb") as fp:
         proc = subprocess.run(
             [
                 sys.executable,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -20,6 +21,19 @@ from pathlib import Path
 import atheris
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
+# Memory one input may take beyond what the process started with before libFuzzer stops it.
+RSS_HEADROOM_MB = 2048
+
+
+def rss_limit_mb() -> int:
+    """libFuzzer's `-rss_limit_mb` for this process: its starting peak plus the headroom.
+
+    libFuzzer compares `getrusage().ru_maxrss` with the limit, and Linux carries that peak over a
+    fork and exec from the parent: a fuzz run started by a pytest process holding 2.6 GB of vLLM
+    engines starts at a 2.6 GB "peak" without allocating anything. Measure from that start.
+    """
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return inherited_mb + RSS_HEADROOM_MB
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             f"-timeout={args.timeout}",
             f"-artifact_prefix={work}/",
             "-print_final_stats=1",
-            "-rss_limit_mb=2048",
+            f"-rss_limit_mb={rss_limit_mb()}",
             str(new_inputs),
             str(seeds),
         ]

@@ -34,6 +34,15 @@ from ds4_vllm.kvc.trailer import parse_tool_map
 
 from .seeds import CTX, NANO, NOW, payload_data
 
+#: Folder for a target's scratch files, made and removed by the process that runs the fuzzer.
+SCRATCH_ENV = "DS4_VLLM_FUZZ_SCRATCH"
+
+
+def scratch_base() -> str | None:
+    """Memory-backed /dev/shm where writable (the scan target writes files per case), else the default."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 Target = Callable[[bytes], None]
 
 
@@ -143,8 +152,9 @@ class ScanWorld:
         from ds4_vllm.store.checkpoint_store import CheckpointStore
         from ds4_vllm.store.options import StoreOptions
 
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.root = Path(tempfile.mkdtemp(prefix="ds4-fuzz-scan-", dir=base))
+        self.root = Path(
+            tempfile.mkdtemp(prefix="ds4-fuzz-scan-", dir=os.environ.get(SCRATCH_ENV) or scratch_base())
+        )
         self.store_dir = self.root / "store"
         self.outside = self.root / "outside"
         self.outside.mkdir()

@@ -5,6 +5,7 @@ The 100,000-case runs per target are `heavy` (scripts/fuzz.sh, docs/reliability/
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,38 @@ def test_fuzz_100k_cases(target: str, tmp_path: Path) -> None:
     print(f"{target}: {run.cases} cases in {run.seconds} s ({run.cases_per_s}/s), cov {run.coverage}")
     assert run.crashes == [], Path(run.log).read_text(errors="replace")[-4000:]
     assert run.returncode == 0 and run.cases == HEAVY_RUNS
+
+
+def test_rss_limit_counts_from_the_inherited_peak() -> None:
+    """A fuzz process started by a large parent starts with the parent's peak RSS (Linux keeps
+    `ru_maxrss` over fork and exec); its libFuzzer limit must leave the headroom above that."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.fuzz.campaign import REPO_ROOT
+    from tests.fuzz.run import RSS_HEADROOM_MB
+
+    ballast = bytearray(512 * 1024 * 1024)
+    ballast[::4096] = b"\x01" * len(range(0, len(ballast), 4096))  # touch every page
+    parent_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    out = subprocess.run(
+        [sys.executable, "-c", "from tests.fuzz.run import rss_limit_mb; print(rss_limit_mb())"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    del ballast
+    assert int(out.stdout) >= parent_peak_mb - 64 + RSS_HEADROOM_MB
+
+
+def test_scan_scratch_folders_are_removed(tmp_path: Path) -> None:
+    """libFuzzer exits without Python's atexit; the runner removes the scan target's folders."""
+    from tests.fuzz.targets import scratch_base
+
+    base = Path(scratch_base() or tempfile.gettempdir())
+    before = set(base.glob("ds4-fuzz-scan-*"))
+    run = run_target("scan", 50, tmp_path, timeout_s=120)
+    assert run.ok, Path(run.log).read_text(errors="replace")[-2000:]
+    assert set(base.glob("ds4-fuzz-scan-*")) == before
