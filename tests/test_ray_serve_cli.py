@@ -74,3 +74,19 @@ def test_token_id_prompts_get_a_prefix_key_and_text_keeps_ray_s() -> None:
     assert router._normalize_prompt_to_string("hello") == "hello"
     assert router._normalize_prompt_to_string([{"role": "user", "content": "hi"}]) == "hi"
     assert token_ids_key([]) is None and token_ids_key(["a"]) is None and token_ids_key([-1]) is None
+
+
+def test_cpu_tensor_parallel_replicas_get_their_core_sets(monkeypatch) -> None:
+    """On CPU, 2 ranks per replica need `VLLM_CPU_OMP_THREADS_BIND` (cpu_parallel.py); a value the
+    user set is kept."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("ds4_vllm.cli.ray_serve._has_gpu", lambda: False)
+    spec, _ = parse_args(["/models/ds4", "--engine-kwargs", json.dumps({"tensor_parallel_size": 2})])
+    bind = llm_config(spec).runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"]
+    assert len(bind.split("|")) == 2
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    spec, _ = parse_args(["/models/ds4", "--engine-kwargs", json.dumps({"tensor_parallel_size": 2})])
+    assert llm_config(spec).runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    spec, _ = parse_args(["/models/ds4"])
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in llm_config(spec).runtime_env["env_vars"]

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ds4_vllm.cli.cpu_parallel import tensor_parallel_env
 from ds4_vllm.cli.vllm_args import KV_CACHE_FLAGS, ArgvError, rewrite_kv_connector_args
 
 #: Variables of the launching shell that replicas get through `runtime_env` (Ray workers do not
@@ -88,12 +89,17 @@ def llm_config(spec: RayServeSpec):
         from .ray_router import Ds4PrefixRouter
 
         deployment["request_router_config"] = {"request_router_class": Ds4PrefixRouter}
+    kwargs = engine_kwargs(spec)
+    gpu = _has_gpu()
+    env = dict(spec.env)
+    if not gpu:  # tensor parallel on CPU: vLLM's mp executor (Ray Serve LLM's choice) and core sets
+        env.update(tensor_parallel_env(int(kwargs.get("tensor_parallel_size", 1)), env))
     return LLMConfig(
         model_loading_config={"model_id": spec.served_model_name, "model_source": spec.model},
-        accelerator_config={"kind": "gpu" if _has_gpu() else "cpu"},
-        engine_kwargs=engine_kwargs(spec),
+        accelerator_config={"kind": "gpu" if gpu else "cpu"},
+        engine_kwargs=kwargs,
         deployment_config=deployment,
-        runtime_env={"env_vars": dict(spec.env)},
+        runtime_env={"env_vars": env},
     )
 
 

@@ -31,6 +31,7 @@ from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata
 from ds4_vllm.connector.metrics import Ds4DiskPromMetrics, Ds4DiskStats, StatsDelta
 from ds4_vllm.model.config import routed_expert_quant_bits
 from ds4_vllm.model.kv_layout import Ds4KVLayout
+from ds4_vllm.model.parallel import TpGroup
 from ds4_vllm.store import StoreOptions
 from ds4_vllm.store.model_identity import model_fingerprint, model_label
 
@@ -128,7 +129,13 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
             from ds4_vllm.connector.worker import Ds4DiskWorker
 
             quant_bits = routed_expert_quant_bits(vllm_config.model_config.hf_config)
-            self.worker = Ds4DiskWorker(options, layout, vllm_config.model_config.max_model_len, quant_bits)
+            self.worker = Ds4DiskWorker(
+                options,
+                layout,
+                vllm_config.model_config.max_model_len,
+                quant_bits,
+                writes_files=TpGroup.current().rank == 0,
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -80,6 +80,7 @@ class Ds4DiskScheduler:
         self.options = options
         self.layout = layout
         self.ctx_size = model_config.max_model_len
+        self.tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self.quant_bits = routed_expert_quant_bits(model_config.hf_config)
         self.token_text = TokenText.from_tokenizer_dir(model_config.tokenizer)
         self.user_id = self.token_text.token_id(USER_TOKEN) or -1
@@ -100,7 +101,7 @@ class Ds4DiskScheduler:
 
     # ------------------------------------------------------------------ lookups
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         state = self.requests.setdefault(req_id, RequestState(request))
         prompt = request.prompt_token_ids or []
@@ -113,6 +114,11 @@ class Ds4DiskScheduler:
         )
         if outcome is None or not outcome.hit:
             return 0, False
+        if outcome.in_flight and self.tensor_parallel_size > 1:
+            # Only the first rank holds the copy of a write in flight; the others read the file.
+            # Ask again next step (vLLM keeps the request waiting), when the write has landed.
+            del self.lookups[req_id]
+            return None, False
         if outcome.agreed_tokens < outcome.entry_tokens:
             # The state cannot be rewound: a partial token agreement is a miss.
             state.decision = _with(state.decision, disk_miss_reason=outcome.reason)

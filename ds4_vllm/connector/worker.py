@@ -7,6 +7,11 @@ the connector holds) and hand the copies to a background writer through a queue 
 so serialisation and disk I/O never stall the engine loop unless the disk falls behind by more
 than the bound (then the step waits: back-pressure). Every save ends in exactly one
 `WriteReport` to the scheduler half, which owns all policy decisions.
+
+Under tensor parallelism every rank holds the same KV rows (`model.parallel`): every rank loads
+each checkpoint into its own cache, and only the first rank writes files (one file per
+checkpoint, whatever the parallel size). All ranks still take part in a save up to its logits,
+which need every rank's share of the vocabulary.
 """
 
 from __future__ import annotations
@@ -48,8 +53,17 @@ WRITE_DELAY_ENV = "DS4_VLLM_TEST_WRITE_DELAY_S"
 
 
 class Ds4DiskWorker:
-    def __init__(self, options: StoreOptions, layout: Ds4KVLayout, ctx_size: int, quant_bits: int) -> None:
+    def __init__(
+        self,
+        options: StoreOptions,
+        layout: Ds4KVLayout,
+        ctx_size: int,
+        quant_bits: int,
+        *,
+        writes_files: bool = True,
+    ) -> None:
         self.options = options
+        self.writes_files = writes_files  # False on tensor-parallel ranks other than the first
         self.layout = layout
         self.ctx_size = ctx_size
         self.quant_bits = quant_bits
@@ -157,6 +171,8 @@ class Ds4DiskWorker:
         logits = None if step is None else step.logits_at(job.block_ids[group], n_tokens - 1)
         if logits is None:
             self._not_saved(job, "no logits for the last token")
+            return
+        if not self.writes_files:
             return
         try:
             layers = self.layout.extract(self.caches, job.block_ids, n_tokens)

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheLayer, Ds4CacheMetadata
-from ds4_vllm.model.layers import RMSNorm, rms_norm
+from ds4_vllm.model.layers import RMSNorm, rms_norm, split_parameter
+from ds4_vllm.model.parallel import SINGLE, Split, TpGroup
 from ds4_vllm.model.qat import fp8_kv_roundtrip, indexer_qat
 from ds4_vllm.model.quant.modules import QuantLinear
 from ds4_vllm.model.rope import TailRope
@@ -188,12 +189,17 @@ def select_top_rows(
 class Ds4Attention(nn.Module):
     """Shared-KV MQA with per-head sinks over the raw window plus compressed rows."""
 
-    def __init__(self, config, layer_idx: int, prefix: str, dtype) -> None:
+    def __init__(self, config, layer_idx: int, prefix: str, dtype, tp: TpGroup = SINGLE) -> None:
         super().__init__()
-        hidden, self.n_heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+        hidden, self.head_dim = config.hidden_size, config.head_dim
+        self.tp = tp
+        # Tensor parallel: each rank has whole output groups and the query heads feeding them.
+        groups = tp.part(config.o_groups, "the number of output groups (o_groups)")
+        heads_per_group = config.num_attention_heads // config.o_groups
+        heads = range(groups.start * heads_per_group, groups.stop * heads_per_group)
+        self.n_heads, self.o_groups = len(heads), len(groups)
         self.eps = config.rms_norm_eps
         self.window = config.sliding_window
-        self.o_groups = config.o_groups
         self.ratio = config.compress_ratios[layer_idx]
         rope_dim = config.rope_dim
         # Official numerics: main KV rows are cached after an FP8 round trip of their no-RoPE dims.
@@ -203,13 +209,29 @@ class Ds4Attention(nn.Module):
 
         self.q_a_proj = QuantLinear(hidden, config.q_lora_rank)
         self.q_a_norm = RMSNorm(config.q_lora_rank, self.eps)
-        self.q_b_proj = QuantLinear(config.q_lora_rank, self.n_heads * self.head_dim)
+        split = tp.size > 1
+        hd, o_lora = self.head_dim, config.o_lora_rank
+        q_rows = (
+            Split(0, range(heads.start * hd, heads.stop * hd), config.num_attention_heads * hd)
+            if split
+            else None
+        )
+        o_rows = (
+            Split(0, range(groups.start * o_lora, groups.stop * o_lora), config.o_groups * o_lora)
+            if split
+            else None
+        )
+        o_cols = Split(1, o_rows.part, o_rows.total) if split else None
+        self.q_b_proj = QuantLinear(config.q_lora_rank, config.num_attention_heads * hd, q_rows)
         self.kv_proj = QuantLinear(hidden, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
-        in_per_group = self.n_heads * self.head_dim // self.o_groups
-        self.o_a_proj = QuantLinear(in_per_group, self.o_groups * config.o_lora_rank)
-        self.o_b_proj = QuantLinear(self.o_groups * config.o_lora_rank, hidden)
-        self.sinks = nn.Parameter(torch.zeros(self.n_heads))
+        in_per_group = heads_per_group * hd
+        self.o_a_proj = QuantLinear(in_per_group, config.o_groups * o_lora, o_rows)
+        self.o_b_proj = QuantLinear(config.o_groups * o_lora, hidden, o_cols)
+        self.sinks = split_parameter(
+            nn.Parameter(torch.zeros(self.n_heads)),
+            Split(0, heads, config.num_attention_heads) if split else None,
+        )
 
         self.swa_cache = Ds4CacheLayer.raw_window(f"{prefix}.swa_cache", self.head_dim, self.window, dtype)
         self.compressor: Compressor | None = None
@@ -246,7 +268,7 @@ class Ds4Attention(nn.Module):
         grouped = out.reshape(n, self.o_groups, -1)
         weight = self.o_a_proj.dequantized_weight(grouped.dtype).view(self.o_groups, -1, grouped.shape[-1])
         z = torch.einsum("tgi,goi->tgo", grouped, weight).reshape(n, -1)
-        return self.o_b_proj(z)
+        return self.tp.all_reduce(self.o_b_proj(z))
 
     def _attend(self, q, kv, q_res, y, positions, metadata: dict) -> torch.Tensor:
         swa_meta: Ds4CacheMetadata = metadata[self.swa_cache.prefix]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4_vllm.model.parallel import SINGLE, Split, TpGroup
 from ds4_vllm.model.quant.modules import QuantExperts, QuantLinear
 
 
@@ -124,12 +125,42 @@ class HyperHead(nn.Module):
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
-class SharedExpert(nn.Module):
-    def __init__(self, hidden: int, ffn: int, limit: float) -> None:
+def split_parameter(param: nn.Parameter, split: Split | None) -> nn.Parameter:
+    """Mark a parameter as holding this rank's part of the checkpoint's tensor (the loader slices)."""
+    param.tp_split = split
+    return param
+
+
+class ShardedEmbedding(nn.Module):
+    """Token embedding whose rows (the vocabulary) are split across the tensor-parallel ranks."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TpGroup) -> None:
         super().__init__()
-        self.gate_proj = QuantLinear(hidden, ffn)
-        self.up_proj = QuantLinear(hidden, ffn)
-        self.down_proj = QuantLinear(ffn, hidden)
+        self.tp = tp
+        self.rows = tp.part(vocab, "the vocabulary size")
+        split = Split(0, self.rows, vocab) if tp.size > 1 else None
+        self.weight = split_parameter(nn.Parameter(torch.zeros(len(self.rows), hidden)), split)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.rows.start) & (ids < self.rows.stop)
+        local = torch.where(mine, ids - self.rows.start, 0)
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert; under tensor parallelism each rank holds a slice of its width and
+    returns a partial sum."""
+
+    def __init__(self, hidden: int, ffn: int, limit: float, tp: TpGroup = SINGLE) -> None:
+        super().__init__()
+        width = tp.part(ffn, "the expert width (moe_intermediate_size)")
+        rows, cols = (Split(0, width, ffn), Split(1, width, ffn)) if tp.size > 1 else (None, None)
+        self.gate_proj = QuantLinear(hidden, ffn, rows)
+        self.up_proj = QuantLinear(hidden, ffn, rows)
+        self.down_proj = QuantLinear(ffn, hidden, cols)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,8 +200,11 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    """Router, routed experts and shared expert; the ranks' partial outputs are summed here."""
+
+    def __init__(self, config, layer_idx: int, tp: TpGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         hashed = config.mlp_layer_types[layer_idx] == "hash_moe"
         self.gate = Router(
             config.hidden_size,
@@ -181,12 +215,16 @@ class MoE(nn.Module):
             config.routed_scaling_factor,
         )
         self.experts = QuantExperts(
-            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+            config.n_routed_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.swiglu_limit,
+            experts=tp.part(config.n_routed_experts, "the number of routed experts"),
         )
         self.shared_experts = SharedExpert(
-            config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+            config.hidden_size, config.moe_intermediate_size, config.swiglu_limit, tp
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         weights, indices = self.gate(x, input_ids)
-        return self.experts(x, indices, weights) + self.shared_experts(x)
+        return self.tp.all_reduce(self.experts(x, indices, weights) + self.shared_experts(x))

@@ -18,18 +18,19 @@ from vllm.forward_context import get_forward_context
 
 from ds4_vllm.model.attention import Ds4Attention
 from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheMetadata
-from ds4_vllm.model.layers import HyperConnection, HyperHead, MoE, RMSNorm
+from ds4_vllm.model.layers import HyperConnection, HyperHead, MoE, RMSNorm, ShardedEmbedding
+from ds4_vllm.model.parallel import SINGLE, Split, TpGroup
 from ds4_vllm.model.quant.modules import QuantLinear
 from ds4_vllm.model.weight_loader import CheckpointLoader
 
 
 class Ds4DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, prefix: str, dtype) -> None:
+    def __init__(self, config, layer_idx: int, prefix: str, dtype, tp: TpGroup = SINGLE) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, eps)
-        self.self_attn = Ds4Attention(config, layer_idx, f"{prefix}.self_attn", dtype)
-        self.mlp = MoE(config, layer_idx)
+        self.self_attn = Ds4Attention(config, layer_idx, f"{prefix}.self_attn", dtype, tp)
+        self.mlp = MoE(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.attn_hc = HyperConnection(*hc)
@@ -45,12 +46,13 @@ class Ds4DecoderLayer(nn.Module):
 
 
 class Ds4Model(nn.Module):
-    def __init__(self, config, prefix: str, dtype) -> None:
+    def __init__(self, config, prefix: str, dtype, tp: TpGroup = SINGLE) -> None:
         super().__init__()
         self.hc_mult = config.hc_mult
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = ShardedEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Ds4DecoderLayer(config, i, f"{prefix}.layers.{i}", dtype) for i in range(config.num_hidden_layers)
+            Ds4DecoderLayer(config, i, f"{prefix}.layers.{i}", dtype, tp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
@@ -101,7 +103,11 @@ class StepHidden:
 
 
 class Ds4ForCausalLM(nn.Module):
-    """vLLM model class registered as ``Ds4ForCausalLM`` (see ``ds4_vllm.register``)."""
+    """vLLM model class registered as ``Ds4ForCausalLM`` (see ``ds4_vllm.register``).
+
+    Under tensor parallelism (vLLM's ``--tensor-parallel-size``) the heads, output groups, experts
+    and vocabulary split across ranks; the KV state is the same on every rank (`parallel`).
+    """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -110,8 +116,14 @@ class Ds4ForCausalLM(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.dtype = dtype
         model_prefix = f"{prefix}.model" if prefix else "model"
-        self.model = Ds4Model(config, model_prefix, dtype)
-        self.lm_head = QuantLinear(config.hidden_size, config.vocab_size)
+        self.tp = TpGroup.current()
+        self.model = Ds4Model(config, model_prefix, dtype, self.tp)
+        vocab_rows = self.tp.part(config.vocab_size, "the vocabulary size")
+        self.lm_head = QuantLinear(
+            config.hidden_size,
+            config.vocab_size,
+            Split(0, vocab_rows, config.vocab_size) if self.tp.size > 1 else None,
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -145,7 +157,8 @@ class Ds4ForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        """Logits over the whole vocabulary on every rank (each rank computes its rows)."""
+        return self.tp.all_gather_last(self.lm_head(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a checkpoint in any DeepSeek V4 naming scheme (see `weight_names`).

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ds4_vllm.model.parallel import Split
 from ds4_vllm.model.quant import QuantizedWeight, QuantType
 from ds4_vllm.model.quant.modules import QuantExpertWeight, QuantLinear
 from ds4_vllm.model.weight_names import CHECKPOINT_MAPPER, FUSED_GATE_UP, MTP_PATTERN, expert_slot
@@ -73,12 +74,12 @@ class CheckpointLoader:
         if fused is not None:
             gate = self._holder(name, f"{fused[1]}.gate_proj", self.stacks)
             up = self._holder(name, f"{fused[1]}.up_proj", self.stacks)
-            want = (gate.shape[0], gate.shape[1] + up.shape[1], gate.shape[2])
+            want = (gate.full_shape[0], gate.full_shape[1] + up.full_shape[1], gate.full_shape[2])
             if tuple(value.shape) != want:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, expected {want}"
                 )
-            gate_rows, up_rows = self._float(name, value).split([gate.shape[1], up.shape[1]], dim=1)
+            gate_rows, up_rows = self._float(name, value).split([gate.full_shape[1], up.full_shape[1]], dim=1)
             self._install(name, gate, None, gate_rows)
             self._install(name, up, None, up_rows)
             return
@@ -122,7 +123,7 @@ class CheckpointLoader:
             raise ValueError(
                 f"checkpoint tensor {wname!r} has a .scale but dtype {data.dtype} (expected FP8 or FP4)"
             )
-        shape = holder.shape[1:] if expert is not None else holder.shape
+        shape = holder.full_shape[1:] if expert is not None else holder.full_shape
         try:
             return QuantizedWeight.from_buffer(qtype, shape, data, scale)
         except ValueError as err:
@@ -156,10 +157,12 @@ class CheckpointLoader:
             raise ValueError(
                 f"checkpoint tensor {name!r} is {value.qtype.value}; {target!r} takes float values"
             )
-        if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
-            )
+        split: Split | None = getattr(param, "tp_split", None)
+        want = tuple(param.shape) if split is None else split.whole_shape(tuple(param.shape))
+        if tuple(value.shape) != want:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, expected {want}")
+        if split is not None:  # this rank's rows of a tensor split across tensor-parallel ranks
+            value = value.narrow(split.axis, split.part.start, len(split.part))
         if (
             value.dtype.is_floating_point != param.dtype.is_floating_point
             or value.dtype == torch.float8_e4m3fn

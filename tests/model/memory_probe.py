@@ -1,6 +1,6 @@
 """Serve one model in a fresh process and report the engine processes' memory as JSON.
 
-    python -m tests.model.memory_probe MODEL [--prompt-tokens N]
+    python -m tests.model.memory_probe MODEL [--prompt-tokens N] [--tensor-parallel-size N]
 
 Starts `LLM(model=MODEL)` with the tests' engine settings, runs one greedy request of N random
 tokens (enough that every routed expert of every layer is selected, so every page of the file
@@ -52,7 +52,13 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        from ds4_vllm.cli.cpu_parallel import tensor_parallel_env
+
+        os.environ.update(tensor_parallel_env(tp))
 
     from tests.model.engine_helpers import greedy, make_engine, random_prompts, shutdown_engine
 
@@ -63,6 +69,7 @@ def main() -> None:
         max_model_len=4096,
         max_num_batched_tokens=2048,
         kv_cache_memory_bytes=256 << 20,
+        **({"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}),
     )
     startup_s = time.perf_counter() - started
     loaded = engine_processes()

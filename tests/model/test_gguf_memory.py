@@ -30,6 +30,9 @@ from tests.model.memory_probe import parse_probe_output
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 PEAK_OVER_FILE_LIMIT = 1.3
+#: Each of 2 ranks' share of one rank's extra peak: half, plus the dequantization buffers (one
+#: 64 MiB group per rank, not halved) and the replicated tensors.
+PER_RANK_LIMIT = 0.65
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,14 +50,22 @@ def expert_heavy_gguf(tmp_path_factory):
     path.unlink()  # 1.1 GiB: do not leave it in pytest's kept temp dirs
 
 
-def worker_peak(model: Path, cache: Path) -> tuple[int, dict]:
-    """VmHWM bytes of the vLLM worker serving `model` in a fresh process, and the probe's result.
-
-    `cache` receives the tokenizer directory written from the file (one per file path).
+def worker_peaks(model: Path, cache: Path, tp: int = 1) -> tuple[list[int], dict]:
+    """VmHWM bytes of each vLLM worker (one per rank) serving `model` in a fresh process, and the
+    probe's result. `cache` receives the tokenizer directory written from the file (one per file path).
     """
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DS4_VLLM_CACHE": str(cache)}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.model.memory_probe", str(model), "--prompt-tokens", "512"],
+        [
+            sys.executable,
+            "-m",
+            "tests.model.memory_probe",
+            str(model),
+            "--prompt-tokens",
+            "512",
+            "--tensor-parallel-size",
+            str(tp),
+        ],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -62,9 +73,9 @@ def worker_peak(model: Path, cache: Path) -> tuple[int, dict]:
         timeout=900,
     )
     result = parse_probe_output(done.stdout + done.stderr)
-    workers = [p for p in result["after_serving"] if p["name"] == "VLLM::Worker"]
-    assert len(workers) == 1, f"expected one vLLM worker, found {result['after_serving']}"
-    return workers[0]["VmHWM"], result
+    workers = [p for p in result["after_serving"] if p["name"].startswith("VLLM::Worker")]
+    assert len(workers) == tp, f"expected {tp} vLLM workers, found {result['after_serving']}"
+    return [w["VmHWM"] for w in workers], result
 
 
 def test_expert_heavy_gguf_is_served_within_1_3x_its_size(expert_heavy_gguf, tmp_path):
@@ -77,8 +88,8 @@ def test_expert_heavy_gguf_is_served_within_1_3x_its_size(expert_heavy_gguf, tmp
     assert expert_bytes > 0.8 * sum(int(t.n_bytes) for t in tensors)
 
     baseline = tiny_gguf_file("ds4-tiny-q2")
-    big_peak, _ = worker_peak(expert_heavy_gguf, tmp_path)
-    base_peak, _ = worker_peak(baseline, tmp_path)
+    (big_peak,), _ = worker_peaks(expert_heavy_gguf, tmp_path)
+    (base_peak,), _ = worker_peaks(baseline, tmp_path)
     extra_file = expert_heavy_gguf.stat().st_size - baseline.stat().st_size
     ratio = (big_peak - base_peak) / extra_file
     print(
@@ -89,3 +100,25 @@ def test_expert_heavy_gguf_is_served_within_1_3x_its_size(expert_heavy_gguf, tmp
         f"serving {extra_file / 2**20:.0f} MiB more GGUF took {(big_peak - base_peak) / 2**20:.0f} MiB more "
         f"peak resident memory ({ratio:.2f}x, limit {PEAK_OVER_FILE_LIMIT}x)"
     )
+
+
+def test_two_ranks_each_hold_about_half_of_the_weights(expert_heavy_gguf, tmp_path):
+    """Tensor parallel 2: each rank's extra peak for the expert-heavy file is about half of one
+    rank's (its experts, heads and vocabulary rows; the replicated parts are a few MiB here)."""
+    from ds4_vllm.model.tiny_gguf import tiny_gguf_file
+
+    baseline = tiny_gguf_file("ds4-tiny-q2")
+    (one_big,), _ = worker_peaks(expert_heavy_gguf, tmp_path)
+    (one_base,), _ = worker_peaks(baseline, tmp_path)
+    two_big, _ = worker_peaks(expert_heavy_gguf, tmp_path, tp=2)
+    two_base, _ = worker_peaks(baseline, tmp_path, tp=2)
+    one_rank = one_big - one_base
+    per_rank = [(big - base) / one_rank for big, base in zip(sorted(two_big), sorted(two_base), strict=True)]
+    print(
+        f"extra peak for the expert-heavy file: 1 rank {one_rank / 2**20:.0f} MiB; 2 ranks "
+        + ", ".join(
+            f"{(b - a) / 2**20:.0f} MiB" for b, a in zip(sorted(two_big), sorted(two_base), strict=True)
+        )
+        + f" = {', '.join(f'{r:.2f}' for r in per_rank)} of one rank's"
+    )
+    assert all(r <= PER_RANK_LIMIT for r in per_rank), per_rank

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4_vllm.model.parallel import Split, take_part
 from ds4_vllm.model.quant import QuantizedWeight, QuantType, packed_shape, scale_shape
 from ds4_vllm.model.quant.dequant import IndexLike, dequantize
 
@@ -53,9 +54,12 @@ class _PackedWeightHolder(nn.Module):
     tensor, which ``Module.to(device)`` cannot copy), so constructing a model allocates nothing.
     """
 
-    def __init__(self, shape: tuple[int, ...], name: str) -> None:
+    def __init__(self, shape: tuple[int, ...], name: str, split: Split | None = None) -> None:
         super().__init__()
-        self.shape = tuple(int(d) for d in shape)
+        #: The checkpoint's logical shape, and this rank's part of it under tensor parallelism.
+        self.full_shape = tuple(int(d) for d in shape)
+        self.split = split
+        self.shape = split.local_shape(self.full_shape) if split is not None else self.full_shape
         self.name = name
         self.qtype: QuantType | None = None
         self.register_buffer("weight", None)
@@ -65,6 +69,14 @@ class _PackedWeightHolder(nn.Module):
     @property
     def is_loaded(self) -> bool:
         return self.qtype is not None or self.weight is not None
+
+    def _local(self, w: WeightLike) -> WeightLike:
+        """This rank's part of a whole checkpoint weight (the weight itself without a split)."""
+        if self.split is None or not isinstance(w, (torch.Tensor, QuantizedWeight)):
+            return w
+        if tuple(w.shape) != self.full_shape:
+            raise ValueError(f"{self.name}: weight has shape {tuple(w.shape)}, expected {self.full_shape}")
+        return take_part(w, self.split, self.name)
 
     def _store(self, w: WeightLike) -> None:
         if isinstance(w, QuantizedWeight):
@@ -117,15 +129,20 @@ class _PackedWeightHolder(nn.Module):
 
 
 class QuantLinear(_PackedWeightHolder):
-    """A bias-free linear layer (``y = x @ W.T``) whose weight may stay packed."""
+    """A bias-free linear layer (``y = x @ W.T``) whose weight may stay packed.
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__((out_features, in_features), "QuantLinear")
-        self.in_features, self.out_features = in_features, out_features
+    Under tensor parallelism ``split`` keeps this rank's output rows (axis 0: the output is this
+    rank's slice) or input columns (axis 1: the input is this rank's slice and the output a
+    partial sum the caller all-reduces).
+    """
+
+    def __init__(self, in_features: int, out_features: int, split: Split | None = None) -> None:
+        super().__init__((out_features, in_features), "QuantLinear", split)
+        self.out_features, self.in_features = self.shape
 
     def set_weight(self, w: WeightLike) -> None:
-        """Install the [out, in] weight: a float tensor or a QuantizedWeight (kept packed)."""
-        self._store(w)
+        """Install the whole checkpoint's [out, in] weight (this rank keeps its part): float or packed."""
+        self._store(self._local(w))
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a float tensor of ``dtype`` (a new tensor for packed weights)."""
@@ -139,23 +156,38 @@ class QuantLinear(_PackedWeightHolder):
 class QuantExpertWeight(_PackedWeightHolder):
     """One stacked routed-expert projection of logical shape [n_experts, out, in]."""
 
-    def __init__(self, n_experts: int, out_features: int, in_features: int, name: str = "experts") -> None:
-        super().__init__((n_experts, out_features, in_features), name)
-        self.register_buffer("_expert_set", torch.zeros(n_experts, dtype=torch.bool), persistent=False)
+    def __init__(
+        self,
+        n_experts: int,
+        out_features: int,
+        in_features: int,
+        name: str = "experts",
+        experts: range | None = None,
+    ) -> None:
+        split = None if experts is None or len(experts) == n_experts else Split(0, experts, n_experts)
+        super().__init__((n_experts, out_features, in_features), name, split)
+        #: Global ids of the experts this rank holds (all of them without expert parallelism).
+        self.experts = range(n_experts) if experts is None else experts
+        self.register_buffer("_expert_set", torch.zeros(self.shape[0], dtype=torch.bool), persistent=False)
 
     @property
     def n_experts(self) -> int:
-        return self.shape[0]
+        """Experts in the checkpoint's stack (this rank holds `experts` of them)."""
+        return self.full_shape[0]
 
     def set_weight(self, w: WeightLike) -> None:
-        """Install the whole [E, out, in] stack (e.g. a GGUF ``ffn_*_exps`` tensor)."""
-        self._store(w)
+        """Install the whole [E, out, in] stack (e.g. a GGUF ``ffn_*_exps`` tensor); this rank keeps its experts."""
+        self._store(self._local(w))
         self._expert_set.fill_(True)
 
     def set_expert(self, expert: int, w: WeightLike) -> None:
-        """Install one expert's [out, in] weight; packed storage for the stack is allocated on first use."""
+        """Install one expert's [out, in] weight by global id (ignored when another rank holds it);
+        packed storage for the stack is allocated on first use."""
         if not 0 <= expert < self.n_experts:
             raise IndexError(f"{self.name}: expert {expert} is out of range for {self.n_experts} experts")
+        if expert not in self.experts:
+            return
+        expert -= self.experts.start
         one_shape = self.shape[1:]
         if isinstance(w, QuantizedWeight):
             if w.shape != one_shape:
@@ -193,7 +225,7 @@ class QuantExpertWeight(_PackedWeightHolder):
         stored = self.qtype.value if self.qtype is not None else str(self.weight.dtype)
         wanted = qtype.value if qtype is not None else str(dtype)
         if stored != wanted:
-            loaded = self._expert_set.nonzero().flatten().tolist()[:4]
+            loaded = [self.experts[i] for i in self._expert_set.nonzero().flatten().tolist()[:4]]
             raise ValueError(
                 f"{self.name}: experts {loaded}... are {stored}, this one is {wanted}; "
                 "all experts of a stack must share one type"
@@ -209,8 +241,8 @@ class QuantExpertWeight(_PackedWeightHolder):
         self._expert_set.fill_(False)
 
     def missing_experts(self) -> list[int]:
-        """Experts not installed yet (a loader checks this is empty before serving)."""
-        return (~self._expert_set).nonzero().flatten().tolist()
+        """Global ids of this rank's experts not installed yet (a loader checks this is empty before serving)."""
+        return [self.experts[i] for i in (~self._expert_set).nonzero().flatten().tolist()]
 
     def expert_weights(self, ids: IndexLike, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Float weights of the experts ``ids`` ([len(ids), out, in]); only those are dequantized."""
@@ -230,15 +262,25 @@ class QuantExperts(nn.Module):
     It is transient memory on top of the packed weights, and the GGUF block decoders briefly
     need about twice their output, so it is kept small: 64 MiB is one DeepSeek V4 Flash expert
     in bfloat16 and all experts of the tiny models; larger groups only save Python overhead.
+
+    Under expert parallelism this rank holds the experts ``experts`` (global ids) and adds only
+    their contributions; the caller sums the ranks' outputs.
     """
 
     def __init__(
-        self, n_experts: int, hidden: int, ffn: int, limit: float, dequant_budget_bytes: int = 64 << 20
+        self,
+        n_experts: int,
+        hidden: int,
+        ffn: int,
+        limit: float,
+        dequant_budget_bytes: int = 64 << 20,
+        experts: range | None = None,
     ) -> None:
         super().__init__()
-        self.gate_proj = QuantExpertWeight(n_experts, ffn, hidden, "experts.gate_proj (w1)")
-        self.up_proj = QuantExpertWeight(n_experts, ffn, hidden, "experts.up_proj (w3)")
-        self.down_proj = QuantExpertWeight(n_experts, hidden, ffn, "experts.down_proj (w2)")
+        self.experts = range(n_experts) if experts is None else experts
+        self.gate_proj = QuantExpertWeight(n_experts, ffn, hidden, "experts.gate_proj (w1)", self.experts)
+        self.up_proj = QuantExpertWeight(n_experts, ffn, hidden, "experts.up_proj (w3)", self.experts)
+        self.down_proj = QuantExpertWeight(n_experts, hidden, ffn, "experts.down_proj (w2)", self.experts)
         self.n_experts, self.hidden, self.ffn = n_experts, hidden, ffn
         self.limit = limit
         self.dequant_budget_bytes = dequant_budget_bytes
@@ -269,10 +311,12 @@ class QuantExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)
         used = counts.nonzero().flatten()
+        if len(self.experts) < self.n_experts:  # expert parallel: this rank's experts only
+            used = used[(used >= self.experts.start) & (used < self.experts.stop)]
         starts = (torch.cumsum(counts, 0) - counts)[used].tolist()
         used_counts = counts[used].tolist()
         token_of, slot_of = order // top_k, order % top_k
-        for pairs, (gate, up, down) in self._weight_groups(used, x.dtype):
+        for pairs, (gate, up, down) in self._weight_groups(used - self.experts.start, x.dtype):
             for j, w_index in pairs:
                 start, count = starts[j], used_counts[j]
                 tokens = token_of[start : start + count]
@@ -293,9 +337,10 @@ class QuantExperts(nn.Module):
         if len(slot_of) < indices.shape[0]:  # an expert picked twice: the general path sums both
             return None
         out = torch.zeros_like(x)
-        expert_ids = sorted(slot_of)
+        expert_ids = sorted(e for e in slot_of if e in self.experts)
         scaled = weights.to(x.dtype)
-        for pairs, (gate, up, down) in self._weight_groups(torch.tensor(expert_ids), x.dtype):
+        local_ids = torch.tensor([e - self.experts.start for e in expert_ids], dtype=torch.int64)
+        for pairs, (gate, up, down) in self._weight_groups(local_ids, x.dtype):
             for j, w_index in pairs:
                 y = self.expert_forward(x, gate[w_index], up[w_index], down[w_index])
                 out.add_(y * scaled[slot_of[expert_ids[j]]])
