@@ -123,7 +123,9 @@ def test_two_ranks_answer_as_one(runs):
 
 def test_two_ranks_continue_from_a_one_rank_checkpoint(runs):
     loaded = runs["two"]["q_next"]
-    assert loaded.num_cached_tokens >= runs["q_len"] + MAX_TOKENS - 1, "Q's 1-rank evict checkpoint was not loaded"
+    assert loaded.num_cached_tokens >= runs["q_len"] + MAX_TOKENS - 1, (
+        "Q's 1-rank evict checkpoint was not loaded"
+    )
     assert_same_answer(loaded, runs["reference"]["q_next"], "Q continued on 2 ranks from a 1-rank file")
 
 
