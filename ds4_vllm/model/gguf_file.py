@@ -690,7 +690,9 @@ class Ds4GgufFile:
         data = _from_memmap(t.data)
         if t.tensor_type in (GgmlType.F16, GgmlType.F32):
             return data
-        return QuantizedWeight(qtype=GGML_TO_QUANT_TYPE[t.tensor_type], shape=spec.shape, data=data)
+        return QuantizedWeight(
+            qtype=GGML_TO_QUANT_TYPE[t.tensor_type], shape=spec.shape, data=data, mapped=True
+        )
 
     # -- tokenizer -----------------------------------------------------------------------------
 

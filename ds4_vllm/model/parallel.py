@@ -104,10 +104,13 @@ class Split:
 
 
 def take_part(w: WeightLike, split: Split, name: str) -> WeightLike:
-    """This rank's slice of a whole checkpoint weight, copied (the whole one can then be freed).
+    """This rank's slice of a whole checkpoint weight.
 
-    Packed weights are cut between blocks: along the input dim at a multiple of the format's
-    block (and scale group), along the output dim of FP8_BLOCK at a multiple of 128 rows.
+    Copied, so the whole one can be freed, except a memory-mapped packed weight (GGUF): that
+    part stays a view of the map, so each rank's pages are the page cache's, read once and
+    shared, and the other ranks' parts are never read. Packed weights are cut between blocks:
+    along the input dim at a multiple of the format's block (and scale group), along the output
+    dim of FP8_BLOCK at a multiple of 128 rows.
     """
     lo, hi = split.part.start, split.part.stop
     if isinstance(w, torch.Tensor):
@@ -135,6 +138,8 @@ def take_part(w: WeightLike, split: Split, name: str) -> WeightLike:
         elif scale is not None:
             scale = scale[index]
     local = split.local_shape(w.shape)
+    if w.mapped and data.is_contiguous() and scale is None:
+        return QuantizedWeight(w.qtype, local, data, None, mapped=True)
     return QuantizedWeight(
         w.qtype, local, data.contiguous().clone(), None if scale is None else scale.contiguous().clone()
     )

@@ -8,7 +8,7 @@ import torch
 
 from ds4_vllm.cli.cpu_parallel import cpu_thread_binding
 from ds4_vllm.model.parallel import Split, TpGroup, take_part
-from ds4_vllm.model.quant import QuantType
+from ds4_vllm.model.quant import QuantizedWeight, QuantType
 from ds4_vllm.model.quant.dequant import dequantize
 from ds4_vllm.model.quant.modules import QuantExperts, QuantLinear
 from tests.model.test_quant_dequant import random_fp8_weight, random_gguf_weight, random_mxfp4_weight
@@ -113,3 +113,15 @@ def test_cpu_binding_gives_each_rank_its_own_cores() -> None:
     assert cpu_thread_binding(2, list(range(8))) == "0,1,2,3|4,5,6,7"
     with pytest.raises(ValueError, match="needs at least 4 CPU cores"):
         cpu_thread_binding(4, [0, 1])
+
+
+def test_a_memory_mapped_part_stays_a_view_of_the_map() -> None:
+    """A GGUF stack's rows for this rank are not copied: the pages stay the page cache's (shared by
+    the ranks, and the other ranks' rows are never read)."""
+    w = random_gguf_weight(QuantType.Q2_K, (4, 64, 256), seed=2)
+    mapped = QuantizedWeight(w.qtype, w.shape, w.data, mapped=True)
+    part = take_part(mapped, Split(0, range(2, 4), 4), "experts")
+    assert part.mapped and part.data.data_ptr() == mapped.data[2].data_ptr()
+    copied = take_part(w, Split(0, range(2, 4), 4), "experts")
+    assert not copied.mapped and copied.data.data_ptr() != w.data[2].data_ptr()
+    assert torch.equal(whole(part), whole(copied))

@@ -119,6 +119,9 @@ class QuantizedWeight:
     shape: tuple[int, ...]
     data: torch.Tensor
     scale: torch.Tensor | None = None
+    #: ``data`` is a view of a memory-mapped file (GGUF): its pages are the page cache's, shared
+    #: by every process mapping the file, and read only when used; a part of it stays a view.
+    mapped: bool = False
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(d) for d in self.shape)
