@@ -26,7 +26,7 @@ MAX_TOKENS = 8
 # (logprobs rounded to 1e-5), the spread batching alone gives (1.3e-5, engine_helpers). A
 # restored state off by one row moves log-probs by 1e-2 or more.
 ROUND_OFF = 1e-3
-Q_TOKENS, P_TOKENS, TAIL_TOKENS = 2100, 2300, 40
+Q_TOKENS, P_TOKENS, TAIL_TOKENS = 1100, 1300, 40
 
 
 def engine(tp: int, disk_dir=None, **kwargs):

@@ -7,13 +7,11 @@ order, after a server restart. The next turn's prompt must still be a byte exten
 checkpoint the first turn saved: the second turn's checkpoint text starts with the first turn's,
 and both carry the call id in their KTM trailers.
 
-The replay test needs the ds4 renderer wired into vLLM (`ds4_vllm.serving.renderer`) and is
-skipped until it exists; the first test (ids, trailers, reload) runs with any renderer.
+The restart test is `heavy` (about 2 minutes: two server starts); CI runs the first one.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -24,10 +22,6 @@ from tests.e2e.server_process import ServerProcess
 from tests.serving.forced_dsml import regex_for
 
 pytestmark = pytest.mark.slow
-needs_ds4_renderer = pytest.mark.skipif(
-    importlib.util.find_spec("ds4_vllm.serving.renderer") is None,
-    reason="needs the ds4 renderer wired into vLLM (ds4_vllm.serving.renderer), not merged yet",
-)
 
 P_CLOSE = "</｜DSML｜parameter>"
 #: Sampled as is: blank line, two spaces in the invoke tag, `size` before `path`, spaces around 42.
@@ -118,7 +112,7 @@ def test_sampled_calls_get_ids_that_the_checkpoints_already_map(tmp_path: Path) 
     assert f"tool memory: 2 tool-call ids loaded from {disk}" in server.log_path.read_text()
 
 
-@needs_ds4_renderer
+@pytest.mark.heavy
 def test_replay_survives_a_restart_and_a_reordered_client(tmp_path: Path) -> None:
     from openai import OpenAI
 
