@@ -114,11 +114,6 @@ class Ds4DiskScheduler:
         )
         if outcome is None or not outcome.hit:
             return 0, False
-        if outcome.in_flight and self.tensor_parallel_size > 1:
-            # Only the first rank holds the copy of a write in flight; the others read the file.
-            # Ask again next step (vLLM keeps the request waiting), when the write has landed.
-            del self.lookups[req_id]
-            return None, False
         if outcome.agreed_tokens < outcome.entry_tokens:
             # The state cannot be rewound: a partial token agreement is a miss.
             state.decision = _with(state.decision, disk_miss_reason=outcome.reason)
@@ -129,6 +124,11 @@ class Ds4DiskScheduler:
         if loadable <= num_computed_tokens:
             state.decision = _with(state.decision, disk_miss_reason="vLLM memory already holds as much")
             return 0, False
+        if outcome.in_flight and self.tensor_parallel_size > 1:
+            # Only the first rank holds the copy of a write in flight; the others read the file.
+            # Ask again next step (vLLM keeps the request waiting), once the write has landed.
+            del self.lookups[req_id]
+            return None, False
         self.pending_loads[req_id] = PendingLoad(outcome, num_computed_tokens)
         # Asynchronous: the request waits until the worker reports the load done or failed;
         # a failure then resets it to a full recompute (vLLM's "recompute" policy), which is

@@ -128,7 +128,8 @@ class Ds4DiskWorker:
             self._load_failed(job, f"{type(exc).__name__}: {exc}")
         else:
             seconds = time.perf_counter() - started
-            self.stats.load_seconds += seconds
+            if self.writes_files:  # one rank's time: the ranks' stats are summed
+                self.stats.load_seconds += seconds
             self.finished_recving.add(job.req_id)
             with self._lock:
                 self._load_reports[job.req_id] = LoadReport(str(outcome.path), True)
@@ -169,10 +170,10 @@ class Ds4DiskWorker:
         n_tokens = job.ticket.n_tokens
         group = self.layout.layers[0].raw.group
         logits = None if step is None else step.logits_at(job.block_ids[group], n_tokens - 1)
+        if not self.writes_files:  # the writing rank reports this save, whatever happens to it
+            return
         if logits is None:
             self._not_saved(job, "no logits for the last token")
-            return
-        if not self.writes_files:
             return
         try:
             layers = self.layout.extract(self.caches, job.block_ids, n_tokens)

@@ -140,8 +140,12 @@ def take_part(w: WeightLike, split: Split, name: str) -> WeightLike:
     local = split.local_shape(w.shape)
     if w.mapped and data.is_contiguous() and scale is None:
         return QuantizedWeight(w.qtype, local, data, None, mapped=True)
+    dense = torch.contiguous_format
     return QuantizedWeight(
-        w.qtype, local, data.contiguous().clone(), None if scale is None else scale.contiguous().clone()
+        w.qtype,
+        local,
+        data.clone(memory_format=dense),
+        None if scale is None else scale.clone(memory_format=dense),
     )
 
 

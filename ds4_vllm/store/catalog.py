@@ -135,6 +135,11 @@ class Catalog:
     def get(self, sha1: str) -> IndexEntry | None:
         return self._index.get(sha1)
 
+    def expire(self) -> None:
+        """Make the next `refresh` re-list: this process just wrote a file (on an object store,
+        whose listing has no version, the interval would otherwise hide it from lookups)."""
+        self._refreshed_at = -float("inf")
+
     def refresh(self, *, force: bool = False) -> None:
         """Re-read the directory when forced, when it changed, or after the interval."""
         now = time.monotonic()

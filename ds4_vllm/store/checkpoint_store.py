@@ -369,6 +369,7 @@ class CheckpointStore:
         s.stores += 1
         s.bytes_written += report.file_size
         s.save_seconds += report.seconds
+        self._catalog.expire()  # a request waiting for this write looks it up next
         if pending is None:
             return [], []
         ticket = pending.ticket

@@ -84,6 +84,18 @@ def test_other_replicas_files_are_found_within_the_rescan_delay(store_url: str) 
     assert later.hit and later.agreed_tokens == 40 and later.path == written.path
 
 
+def test_a_replicas_own_write_is_found_by_its_next_lookup(store_url: str) -> None:
+    """A request that waited for a write in flight (tensor parallel: only rank 0 holds the copy)
+    looks it up right after it lands; an object store's listing interval must not hide it."""
+    store = replica(store_url, rescan_ms=60_000)
+    prompt = toks(60)
+    assert store.store(text_of(prompt[:20]), header(20), payload(prompt[:20])).stored
+    assert lookup(store, prompt).agreed_tokens == 20  # listed now; the next listing is 60 s away
+    written = store.store(text_of(prompt[:40]), header(40), payload(prompt[:40]))
+    found = lookup(store, prompt)
+    assert found.hit and not found.in_flight and found.agreed_tokens == 40 and found.path == written.path
+
+
 def _checkpoint_bytes(tmp: Path, tokens: list[int], seed: int) -> bytes:
     """One writer's version of the checkpoint: same text, payload values differing by seed."""
     folder = tmp / f"w{seed}"
