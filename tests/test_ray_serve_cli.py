@@ -76,14 +76,13 @@ def test_token_id_prompts_get_a_prefix_key_and_text_keeps_ray_s() -> None:
     assert token_ids_key([]) is None and token_ids_key(["a"]) is None and token_ids_key([-1]) is None
 
 
-def test_cpu_tensor_parallel_replicas_get_their_core_sets(monkeypatch) -> None:
-    """On CPU, 2 ranks per replica need `VLLM_CPU_OMP_THREADS_BIND` (cpu_parallel.py); a value the
-    user set is kept."""
+def test_cpu_tensor_parallel_replicas_are_not_pinned_to_the_launchers_cores(monkeypatch) -> None:
+    """On CPU, 2 ranks per replica need `VLLM_CPU_OMP_THREADS_BIND` (cpu_parallel.py); replicas
+    share nodes, so they get "nobind" rather than one core list for all; a user's value is kept."""
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("ds4_vllm.cli.ray_serve._has_gpu", lambda: False)
     spec, _ = parse_args(["/models/ds4", "--engine-kwargs", json.dumps({"tensor_parallel_size": 2})])
-    bind = llm_config(spec).runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"]
-    assert len(bind.split("|")) == 2
+    assert llm_config(spec).runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     spec, _ = parse_args(["/models/ds4", "--engine-kwargs", json.dumps({"tensor_parallel_size": 2})])
     assert llm_config(spec).runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"

@@ -2,8 +2,8 @@
 
 On CPU, vLLM 0.32 runs tensor-parallel ranks only with its `mp` executor (its CPU platform
 refuses `--distributed-executor-backend ray`), and each rank needs its own cores in
-`VLLM_CPU_OMP_THREADS_BIND` ("0-7|8-15": one set per rank); its automatic binding assumes a
-NUMA node per rank. On GPU neither applies: the same model code runs under any executor.
+`VLLM_CPU_OMP_THREADS_BIND` ("0-7|8-15": one set per rank, or "nobind"); its automatic binding
+assumes a NUMA node per rank. On GPU neither applies: the same model code runs under any executor.
 """
 
 from __future__ import annotations
@@ -26,9 +26,20 @@ def cpu_thread_binding(tp_size: int, cores: list[int] | None = None) -> str:
     return "|".join(",".join(str(c) for c in s) for s in sets)
 
 
-def tensor_parallel_env(tp_size: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Variables a CPU engine of ``tp_size`` ranks needs that ``environ`` does not set already."""
+#: No pinning: vLLM leaves the ranks' threads to the OS scheduler.
+NO_BINDING = "nobind"
+
+
+def tensor_parallel_env(
+    tp_size: int, environ: Mapping[str, str] | None = None, *, pin_cores: bool = True
+) -> dict[str, str]:
+    """Variables a CPU engine of ``tp_size`` ranks needs that ``environ`` does not set already.
+
+    ``pin_cores``: give each rank its share of this process's cores (one engine on this
+    machine). Off for engines placed elsewhere (Ray replicas): one fixed list would pin every
+    replica on a node to the same cores, and the launcher's core ids may not exist there.
+    """
     environ = os.environ if environ is None else environ
     if tp_size <= 1 or BIND_ENV in environ:
         return {}
-    return {BIND_ENV: cpu_thread_binding(tp_size)}
+    return {BIND_ENV: cpu_thread_binding(tp_size) if pin_cores else NO_BINDING}

@@ -92,8 +92,8 @@ def llm_config(spec: RayServeSpec):
     kwargs = engine_kwargs(spec)
     gpu = _has_gpu()
     env = dict(spec.env)
-    if not gpu:  # tensor parallel on CPU: vLLM's mp executor (Ray Serve LLM's choice) and core sets
-        env.update(tensor_parallel_env(int(kwargs.get("tensor_parallel_size", 1)), env))
+    if not gpu:  # tensor parallel on CPU: vLLM's mp executor (Ray Serve LLM's choice), threads unpinned
+        env.update(tensor_parallel_env(int(kwargs.get("tensor_parallel_size", 1)), env, pin_cores=False))
     return LLMConfig(
         model_loading_config={"model_id": spec.served_model_name, "model_source": spec.model},
         accelerator_config={"kind": "gpu" if gpu else "cpu"},
