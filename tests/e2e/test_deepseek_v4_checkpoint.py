@@ -20,7 +20,9 @@ import pytest
 
 from tests.e2e.server_process import ServerProcess
 
-pytestmark = pytest.mark.slow
+# heavy: about 100 s (a checkpoint saved by transformers, an engine and a server); CI keeps the
+# same directory's parity in tests/model/test_vs_transformers.py.
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 SCRIPT = r"""
 import json, sys
