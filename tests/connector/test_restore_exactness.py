@@ -19,7 +19,14 @@ import time
 import pytest
 
 from ds4_vllm.kvc import open_checkpoint, text_sha1
-from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, random_prompts, shutdown_engine
+from tests.model.engine_helpers import (
+    ds4disk_config,
+    greedy,
+    make_engine,
+    max_logprob_gap,
+    random_prompts,
+    shutdown_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -155,10 +162,7 @@ def test_restored_logits_equal_cold_prefill(scenario, reason, loaded):
         )
     assert reference.num_cached_tokens == 0
     assert list(restored.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
-    worst = 0.0
-    for got, want in zip(restored.outputs[0].logprobs, reference.outputs[0].logprobs, strict=True):
-        for token, lp in want.items():
-            worst = max(worst, abs(got[token].logprob - lp.logprob))
+    worst = max_logprob_gap(restored, reference)
     assert worst < ROUND_OFF, f"{reason}: max |Δ logprob| = {worst}"
 
 

@@ -16,7 +16,14 @@ import pytest
 
 from ds4_vllm.cli.cpu_parallel import tensor_parallel_env
 from ds4_vllm.kvc import open_checkpoint
-from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, random_prompts, shutdown_engine
+from tests.model.engine_helpers import (
+    ds4disk_config,
+    greedy,
+    make_engine,
+    max_logprob_gap,
+    random_prompts,
+    shutdown_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -110,10 +117,7 @@ def _tokens(path) -> list[int]:
 
 def assert_same_answer(got, want, what: str) -> None:
     assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids), what
-    worst = 0.0
-    for g, w in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
-        for token, lp in w.items():
-            worst = max(worst, abs(g[token].logprob - lp.logprob))
+    worst = max_logprob_gap(got, want)
     assert worst < ROUND_OFF, f"{what}: max |Δ logprob| = {worst}"
 
 

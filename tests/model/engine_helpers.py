@@ -70,3 +70,13 @@ def reference_logprobs(model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([tokens]), use_cache=False).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def max_logprob_gap(got, want) -> float:
+    """Largest |Δ log-prob| over the reference's top-k tokens at every decode step of two
+    `RequestOutput`s (requested with `logprobs=k`)."""
+    worst = 0.0
+    for g, w in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+        for token, lp in w.items():
+            worst = max(worst, abs(g[token].logprob - lp.logprob))
+    return worst
