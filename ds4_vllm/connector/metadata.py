@@ -70,4 +70,6 @@ class Ds4DiskWorkerMetadata(KVConnectorWorkerMetadata):
                 mine = self.loads.get(req_id)
                 if mine is None or (mine.ok and not report.ok):  # one failed rank fails the load
                     self.loads[req_id] = report
+                elif mine.ok and report.ok and report.seconds > mine.seconds:  # the slowest rank's time
+                    self.loads[req_id] = report
         return self

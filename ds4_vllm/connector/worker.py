@@ -128,11 +128,9 @@ class Ds4DiskWorker:
             self._load_failed(job, f"{type(exc).__name__}: {exc}")
         else:
             seconds = time.perf_counter() - started
-            if self.writes_files:  # one rank's time: the ranks' stats are summed
-                self.stats.load_seconds += seconds
             self.finished_recving.add(job.req_id)
-            with self._lock:
-                self._load_reports[job.req_id] = LoadReport(str(outcome.path), True)
+            with self._lock:  # the scheduler's store counts the time (slowest rank) and logs the hit
+                self._load_reports[job.req_id] = LoadReport(str(outcome.path), True, seconds=seconds)
             logger.info(
                 "kv cache loaded tokens=%d from=%s file=%s load=%.1f ms",
                 n_tokens,

@@ -242,7 +242,7 @@ class CheckpointStore:
         by_name = {str(e.path) for e in entries if e.path.name in leased}
         return self._pending.pinned | by_name | {self.fs.path_of(name[:40]) for name in leased}
 
-    def finish_load(self, outcome: LookupOutcome, report: LoadReport, *, load_seconds: float = 0.0) -> None:
+    def finish_load(self, outcome: LookupOutcome, report: LoadReport) -> None:
         """Count a load the worker ended; touch the file on success, quarantine it when corrupt.
 
         ds4 deletes ("consumes") a loaded file above cold_max; we keep it, because vLLM may
@@ -269,14 +269,14 @@ class CheckpointStore:
         s.hits += 1
         s.tokens_loaded += outcome.agreed_tokens
         s.bytes_read += outcome.file_size
-        s.load_seconds += load_seconds
+        s.load_seconds += report.seconds
         logger.info(
             "kv cache hit tokens=%d file_tokens=%d text=%d quant=%d load=%.1f ms%s file=%s",
             outcome.agreed_tokens,
             outcome.entry_tokens,
             outcome.text_bytes,
             outcome.quant_bits,
-            load_seconds * 1000,
+            report.seconds * 1000,
             " (in flight)" if outcome.in_flight else "",
             outcome.path,
         )

@@ -80,12 +80,17 @@ class WriteReport:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadReport:
-    """How a load ended on the worker side; `corrupt` asks the store to quarantine `path`."""
+    """How a load ended on the worker side; `corrupt` asks the store to quarantine `path`.
+
+    `seconds` is the worker's time for the load: the store that logs and counts the hit runs in
+    the scheduler, which does not see it otherwise.
+    """
 
     path: str
     ok: bool
     reason: str = ""
     corrupt: bool = False
+    seconds: float = 0.0
 
 
 def tokens_digest(tokens: Sequence[int] | np.ndarray) -> str:

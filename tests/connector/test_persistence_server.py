@@ -10,6 +10,7 @@ cached tokens) and the same output as a server without the connector.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -132,6 +133,7 @@ def runs(tmp_path_factory):
     return {
         "exit_a": exit_a,
         "log_a": (base / "a.log").read_text(errors="replace"),
+        "log_b": (base / "b.log").read_text(errors="replace"),
         "streamed": streamed,
         "saved": saved,
         "shutdown": shutdown,
@@ -204,3 +206,14 @@ def test_prometheus_counts_the_hit(runs):
     text = runs["metrics"]
     assert _metric(text, "vllm:ds4disk_hits_total") >= 1
     assert _metric(text, "vllm:ds4disk_tokens_loaded_total") >= len(runs["saved"])
+    assert _metric(text, "vllm:ds4disk_load_seconds_total") > 0
+
+
+def test_the_hit_line_gives_the_workers_load_time(runs):
+    """The scheduler's `kv cache hit` line carries the time the worker measured (it printed 0.0)."""
+    hits = [float(m) for m in re.findall(r"kv cache hit tokens=\d+ .*? load=([0-9.]+) ms", runs["log_b"])]
+    loaded = [
+        float(m) for m in re.findall(r"kv cache loaded tokens=\d+ .*? load=([0-9.]+) ms", runs["log_b"])
+    ]
+    assert hits and sorted(hits) == sorted(loaded)
+    assert all(ms > 0 for ms in hits)

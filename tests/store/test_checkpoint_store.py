@@ -33,8 +33,8 @@ def open_for_load(store: CheckpointStore, out: LookupOutcome):
         raise
 
 
-def record_hit(store: CheckpointStore, out: LookupOutcome, **kw) -> None:
-    store.finish_load(out, LoadReport(out.path, True), **kw)
+def record_hit(store: CheckpointStore, out: LookupOutcome, seconds: float = 0.0) -> None:
+    store.finish_load(out, LoadReport(out.path, True, seconds=seconds))
 
 
 def test_longest_prefix_wins_among_many(tmp_path: Path) -> None:
@@ -169,11 +169,12 @@ def test_store_lookup_load_hit_roundtrip(tmp_path: Path) -> None:
     assert out.hit and out.agreed_tokens == 32
     with open_for_load(store, out) as ck:
         assert list(ck.payload.tokens) == prompt[:32]
-    record_hit(store, out, load_seconds=0.01)
+    record_hit(store, out, seconds=0.01)
     assert read_prefix(res.path).header.hits == 1
     assert read_prefix(res.path).header.last_used == NOW + 60
     s = store.stats
     assert (s.hits, s.tokens_loaded, s.stores, s.bytes_read) == (1, 32, 1, out.file_size)
+    assert s.load_seconds == 0.01  # the worker's time, counted where the hit is
     assert s.bytes_written == Path(res.path).stat().st_size
 
 
