@@ -717,9 +717,10 @@ def run(
     results["load_average_end"] = os.getloadavg()
     results["wall_s"] = time.perf_counter() - started
     results["table_markdown"] = tables(results)
-    (results_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     if results["throughput"] and results["lookup"]:
         plot(results, results_dir / f"{name}.png")
+        results["plots"] = [f"{name}.png"]
+    (results_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     progress(f"wrote {results_dir / name}.json")
     return results
 

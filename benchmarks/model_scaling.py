@@ -33,13 +33,25 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from arithmetic import prefill_flops, prefill_flops_by_component, token_flops
-from reporting import RESULTS_DIR, machine_info, make_engine, random_prompts, shutdown_engine, timed_generate
+BENCH_DIR = Path(__file__).resolve().parent
+if str(BENCH_DIR) not in sys.path:  # imported as benchmarks.model_scaling by report.py
+    sys.path.insert(0, str(BENCH_DIR))
+
+from arithmetic import prefill_flops, prefill_flops_by_component, token_flops  # noqa: E402
+from reporting import (  # noqa: E402
+    RESULTS_DIR,
+    machine_info,
+    make_engine,
+    random_prompts,
+    shutdown_engine,
+    timed_generate,
+)
 
 CHUNK = 2048  # vLLM's max_num_batched_tokens in these benchmarks (and the ds4 engine's chunk)
 QUICK_LENGTHS = (2048, 8192)
@@ -165,14 +177,17 @@ def prefill_scaling(
 class ModelTimer:
     """Times each engine step (``LLMEngine.step``) and our model's part of it, inside an in-process engine.
 
-    Our part is ``Ds4ForCausalLM.forward`` + ``compute_logits``. A step whose forward carried one
-    token is a batch-1 decode step; its time and its model time are kept per step, so the share
-    is taken within the same steps (not from two runs that the machine's load may treat apart).
+    Our part is ``Ds4ForCausalLM.forward`` + ``compute_logits`` (the LM head, kept apart: on the
+    tiny default it reads a float32 head of 129,280 rows per token). A step whose forward carried
+    one token is a batch-1 decode step; its time and its model time are kept per step, so the
+    share is taken within the same steps (not from two runs that the machine's load may treat
+    apart).
     """
 
     def __init__(self) -> None:
-        self.decode_steps: list[tuple[float, float]] = []  # (step s, model s) per decode step
+        self.decode_steps: list[tuple[float, float, float]] = []  # (step, model, LM head) s per step
         self._model_s = 0.0
+        self._logits_s = 0.0
         self._tokens = 0
 
     def reset(self) -> None:
@@ -197,16 +212,18 @@ class ModelTimer:
         def timed_logits(model, hidden_states):
             t0 = time.perf_counter()
             out = logits(model, hidden_states)
-            timer._model_s += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            timer._model_s += seconds
+            timer._logits_s += seconds
             return out
 
         def timed_step(engine):
-            timer._model_s, timer._tokens = 0.0, 0
+            timer._model_s, timer._logits_s, timer._tokens = 0.0, 0.0, 0
             t0 = time.perf_counter()
             out = step(engine)
             seconds = time.perf_counter() - t0
             if timer._tokens == 1:
-                timer.decode_steps.append((seconds, timer._model_s))
+                timer.decode_steps.append((seconds, timer._model_s, timer._logits_s))
             return out
 
         Ds4ForCausalLM.forward, Ds4ForCausalLM.compute_logits = timed_forward, timed_logits
@@ -271,16 +288,21 @@ def decode_step(
     """
     prompts = random_prompts([context] * repeats, seed=7)
     timed_generate(llm, [prompts[0]], 2)  # warm-up at this shape
-    steps, model_ms, shares, loads = [], [], [], []
+    steps, model_ms, head_ms, shares, loads = [], [], [], [], []
     for prompt in prompts:
         loads.append(load_average())
         timer.reset()
         timed_generate(llm, [prompt], new_tokens)
         runs = timer.decode_steps
-        steps.append(1000 * statistics.median(s for s, _ in runs))
-        model_ms.append(1000 * statistics.median(m for _, m in runs))
-        shares.append(statistics.median(m / s for s, m in runs))
-    step_ms, ours_ms = statistics.median(steps), statistics.median(model_ms)
+        steps.append(1000 * statistics.median(s for s, _, _ in runs))
+        model_ms.append(1000 * statistics.median(m for _, m, _ in runs))
+        head_ms.append(1000 * statistics.median(h for _, _, h in runs))
+        shares.append(statistics.median(m / s for s, m, _ in runs))
+    step_ms, ours_ms, lm_head_ms = (
+        statistics.median(steps),
+        statistics.median(model_ms),
+        statistics.median(head_ms),
+    )
     result = {
         "context_tokens": context,
         "new_tokens": new_tokens,
@@ -288,6 +310,9 @@ def decode_step(
         "tokens_per_s": 1000 / step_ms,
         "model_ms": ours_ms,
         "vllm_ms": step_ms - ours_ms,
+        "lm_head_ms": lm_head_ms,
+        "lm_head_bytes": lm_head_bytes(llm),
+        "memory_read_gb_per_s": memory_read_bandwidth(),
         "model_share": statistics.median(shares),
         "model_share_runs": shares,
         "step_ms_runs": steps,
@@ -298,10 +323,35 @@ def decode_step(
     }
     print(
         f"  decode batch 1 at {context}: step {step_ms:.1f} ms = model {ours_ms:.1f} ms "
-        f"({100 * ours_ms / step_ms:.0f}%) + vLLM {step_ms - ours_ms:.1f} ms",
+        f"({100 * ours_ms / step_ms:.0f}%; LM head {lm_head_ms:.1f} ms) + vLLM {step_ms - ours_ms:.1f} ms",
         flush=True,
     )
     return result
+
+
+def lm_head_bytes(llm: Any) -> int:
+    """Bytes of the LM head's weight as the model holds it (read once per decode step)."""
+    from ds4_vllm.model.model import Ds4ForCausalLM
+
+    def head_size(worker: Any) -> int:
+        model = worker.model_runner.model
+        assert isinstance(model, Ds4ForCausalLM)
+        return model.lm_head.nbytes
+
+    return int(llm.collective_rpc(head_size)[0])
+
+
+def memory_read_bandwidth(n_bytes: int = 256 << 20) -> float:
+    """GB/s of summing a float32 tensor of ``n_bytes`` (best of 5): the floor for a weight read."""
+    import torch
+
+    data = torch.ones(n_bytes // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return n_bytes / best / 1e9
 
 
 # ------------------------------------------------------------------------------ reference
@@ -361,6 +411,70 @@ def plot_prefill(scaling: dict[str, Any], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The figures as Markdown: prefill scaling against arithmetic, engine prefill, decode step."""
+    scaling = result["prefill_scaling"]
+    out = [
+        f"### Prefill of `{result['settings']['model']}` (model run directly, chunks of {scaling['chunk']}, "
+        f"median of {scaling['repeats']})",
+        "",
+        "| tokens | seconds | tokens/s | TFLOP | GFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
+    for n, row in scaling["lengths"].items():
+        out.append(
+            f"| {n} | {_g(row['seconds'])} | {_g(row['tokens_per_s'])} | {_g(row['flops'] / 1e12)} "
+            f"| {_g(row['gflops_per_s'])} |"
+        )
+    out += [
+        "",
+        "| lengths | measured time ratio | arithmetic (FLOP) ratio | measured / predicted |",
+        "|---|---|---|---|",
+    ]
+    for pair, r in scaling["ratios"].items():
+        out.append(
+            f"| {pair} | {_g(r['measured_time_ratio'])} | {_g(r['predicted_flop_ratio'])} "
+            f"| {_g(r['measured_time_ratio'] / r['predicted_flop_ratio'])} |"
+        )
+    engine = result.get("engine")
+    if engine:
+        ref = result.get("reference", {})
+        out += ["", "### In vLLM (time to first token) and against transformers", ""]
+        out += [
+            "| tokens | vLLM TTFT s | tokens/s | transformers s | vLLM / transformers speed |",
+            "|---|---|---|---|---|",
+        ]
+        for n, row in engine["prefill"].items():
+            hf = ref.get("prefill", {}).get(n)
+            cells = [_g(hf["ttft_s"]), _g(hf["ttft_s"] / row["ttft_s"])] if hf else ["-", "-"]
+            out.append(
+                f"| {n} | {_g(row['ttft_s'])} | {_g(row['tokens_per_s'])} | " + " | ".join(cells) + " |"
+            )
+        d = engine["decode_batch1"]
+        floor_ms = 1000 * d["lm_head_bytes"] / (d["memory_read_gb_per_s"] * 1e9)
+        out += [
+            "",
+            f"### Batch-1 decode step at {d['context_tokens']} tokens of context (median)",
+            "",
+            "| step ms | our model ms | of it LM head ms | vLLM's own ms | model share | LM head MB | "
+            "LM head read at the measured GB/s, ms |",
+            "|---|---|---|---|---|---|---|",
+            f"| {_g(d['step_ms'])} | {_g(d['model_ms'])} | {_g(d['lm_head_ms'])} | {_g(d['vllm_ms'])} "
+            f"| {_g(d['model_share'])} | {_g(d['lm_head_bytes'] / 1e6)} | {_g(floor_ms)} "
+            f"({_g(d['memory_read_gb_per_s'])} GB/s) |",
+        ]
+        if ref.get("decode_batch1"):
+            out.append(
+                f"\ntransformers' decode step at {ref['decode_batch1']['context_tokens']}: "
+                f"{_g(ref['decode_batch1']['step_ms'])} ms."
+            )
+    return "\n".join(out)
 
 
 def default_results_dir() -> Path:
@@ -443,7 +557,8 @@ def run(
         results_dir / "model_scaling_prefill.png",
         f"{model}: prefill time vs length",
     )
-    result["files"] = {"plot": plot.name}
+    result["plots"] = [plot.name]
+    result["table_markdown"] = tables(result)
     out = results_dir / "model_scaling.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out} and {plot}", flush=True)

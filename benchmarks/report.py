@@ -577,15 +577,19 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {goal} | {shown} | {_cell(figures['met'])} |")
     lines += ["", *[f"![{p}]({p})" for p in traffic["plots"]], ""]
     for name, part in report["parts"].items():
-        lines += [f"## {name}", ""]
-        if "skipped" in part:
-            lines += [f"Skipped: {part['skipped']}", ""]
-            continue
-        if part.get("markdown"):
-            lines += [part["markdown"], ""]
-        lines += [f"![{p}]({p})" for p in part.get("plots", [])]
-        lines.append("")
+        lines += part_markdown(name, part)
     return "\n".join(lines)
+
+
+def part_markdown(name: str, part: dict[str, Any]) -> list[str]:
+    """An optional part's section: its own tables (``table_markdown``) and ``plots``, or why it was skipped."""
+    lines = [f"## {name}", ""]
+    if "skipped" in part:
+        return [*lines, f"Skipped: {part['skipped']}", ""]
+    if part.get("table_markdown"):
+        lines += [part["table_markdown"], ""]
+    lines += [f"![{p}]({p})" for p in part.get("plots", [])]
+    return [*lines, ""]
 
 
 def run_parts(results_dir: Path, quick: bool, names: tuple[str, ...] = OPTIONAL_PARTS) -> dict[str, Any]:

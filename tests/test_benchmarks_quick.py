@@ -14,7 +14,7 @@ import json
 import pytest
 
 from benchmarks.agent_traffic import Conversations, TrafficConfig, plan_summary, plan_traffic
-from benchmarks.report import run_parts, run_report
+from benchmarks.report import part_markdown, run_parts, run_report
 
 #: The smallest plan with every feature: 2 conversations, a sub-agent, a one-off, a restart, a
 #: large tool result. 20 rules of system prompt (about 800 prompt tokens with the tools) keep
@@ -70,6 +70,19 @@ def test_an_absent_part_is_skipped_with_a_note(tmp_path) -> None:
     assert parts == {
         "no_such_part": {"skipped": "benchmarks/no_such_part.py not present (benchmarks.no_such_part)"}
     }
+
+
+def test_a_parts_tables_and_plots_go_into_the_report() -> None:
+    part = {"table_markdown": "| a | b |\n|---|---|", "plots": ["micro.png"], "wall_s": 3.0}
+    assert part_markdown("micro", part) == [
+        "## micro",
+        "",
+        "| a | b |\n|---|---|",
+        "",
+        "![micro.png](micro.png)",
+        "",
+    ]
+    assert part_markdown("micro", {"skipped": "failed: x"}) == ["## micro", "", "Skipped: failed: x", ""]
 
 
 @pytest.mark.slow
