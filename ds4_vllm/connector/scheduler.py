@@ -382,6 +382,7 @@ class Ds4DiskScheduler:
             logger.info("kv cache shutdown requested: running requests will be saved as 'shutdown'")
 
     def shutdown(self) -> None:
+        self.store.close()
         if self.trace is not None:
             self.trace.close()
 

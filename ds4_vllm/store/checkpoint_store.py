@@ -356,6 +356,18 @@ class CheckpointStore:
         self._pending.add_write(ticket, text, tokens)
         return Admission(ticket, SaveReason(header.reason).label, tuple(evicted))
 
+    def close(self) -> None:
+        """Release the reservations of writes whose report will never come (the engine is stopping).
+
+        A write admitted in the last step (a shutdown save) lands before the step returns, but its
+        report would reach the scheduler only in a next step; its reservation file must not stay
+        behind for the next start to clean. A write that has not landed is still counted by the
+        other servers through its temp file.
+        """
+        for reservation in self._reservations.values():
+            self.fs.release(reservation)
+        self._reservations.clear()
+
     def finish_write(self, report: WriteReport) -> tuple[list[str], list[str]]:
         """Take the worker's report of a ticket; returns (evicted, nested copies removed)."""
         pending = self._pending.finish_write(report.sha1)

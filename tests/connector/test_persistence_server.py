@@ -17,6 +17,7 @@ import time
 import pytest
 
 from ds4_vllm.kvc import CheckpointIndex, open_checkpoint
+from ds4_vllm.kvc.constants import TMP_MARKER
 from tests.e2e.server_process import ServerProcess
 from tests.model.engine_helpers import random_prompts
 
@@ -102,6 +103,7 @@ def runs(tmp_path_factory):
         streamed, exit_a = stream_until_sigterm(server_a, running)
     finally:
         server_a.stop()
+    left_after_sigterm = sorted(p.name for p in disk_dir.iterdir() if TMP_MARKER in p.name)
 
     index = CheckpointIndex(disk_dir)
     index.refresh()
@@ -134,6 +136,7 @@ def runs(tmp_path_factory):
         "exit_a": exit_a,
         "log_a": (base / "a.log").read_text(errors="replace"),
         "log_b": (base / "b.log").read_text(errors="replace"),
+        "left_after_sigterm": left_after_sigterm,
         "streamed": streamed,
         "saved": saved,
         "shutdown": shutdown,
@@ -164,6 +167,11 @@ def _metric(text: str, name: str) -> float:
 def test_server_a_stops_gracefully_on_sigterm(runs):
     assert runs["streamed"] >= STREAMED_BEFORE_SIGTERM
     assert runs["exit_a"] == 0, runs["log_a"][-3000:]
+
+
+def test_a_graceful_stop_leaves_no_temp_or_reservation_file(runs):
+    """The shutdown save's reservation is released at stop, not left for the next start to clean."""
+    assert runs["left_after_sigterm"] == []
 
 
 def test_sigterm_saved_the_running_conversation_as_shutdown(runs):

@@ -308,3 +308,17 @@ def test_file_of_another_model_shape_is_a_miss_and_kept(tmp_path: Path) -> None:
     store = CheckpointStore(opts(tmp_path), model_dims=other, fsync=False).open()
     out = lookup(store, toks(30))
     assert not out.hit and "another model shape" in out.reason and path.exists()
+
+
+def test_close_releases_the_reservations_of_unreported_writes(tmp_path: Path) -> None:
+    """A stop after a write's admission leaves no reservation file (it did, for the next start to clean)."""
+    store = open_store(tmp_path)
+    admission = store.admit(text_of(toks(30)), toks(30), header(30), store.file_size(60, 4096))
+    assert admission.ticket is not None
+    report = CheckpointWriter(store.fs, None).write(
+        admission.ticket, text_of(toks(30)), header(30), payload(toks(30))
+    )
+    assert report.stored and [p.name for p in tmp_path.glob("*.kv.tmp.*")] != []
+    store.close()  # the engine stops before the write's report reaches the scheduler
+    assert [p.name for p in tmp_path.glob("*.kv.tmp.*")] == []
+    assert [p.name for p in tmp_path.glob("*.kv")] == [Path(report.path).name]
