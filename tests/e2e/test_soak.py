@@ -322,12 +322,12 @@ def test_disk_use_stays_within_the_budget_plus_one_file(runs) -> None:
 
 
 def test_memory_is_flat(runs) -> None:
-    """RSS_GROWTH (10%): in the run recorded in docs/reliability/http.md (48 requests, 16 per
-    segment, load average 40-90) the summed RSS of the API server, engine core and worker (peak 5.27
-    GB) moved by +0.0%, +5.3% and -4.5% from the second to the last quarter of the three segments:
-    allocator noise, both ways. 10% is twice that noise; it catches growth of 500 MB per segment,
-    not a small per-request leak, for which the full run (DS4_VLLM_SOAK_REQUESTS=960, 20 requests
-    per client and segment) is the evidence to read."""
+    """RSS_GROWTH (10%): in a short run (48 requests, 16 per segment, load average 40-90) the summed
+    RSS of the API server, engine core and worker (peak 5.27 GB) moved by +0.0%, +5.3% and -4.5%
+    from the second to the last quarter of the three segments: allocator noise, both ways. 10% is
+    twice that noise; it catches growth of 500 MB per segment. The full run recorded in
+    docs/reliability/http.md (DS4_VLLM_SOAK_REQUESTS=960: 320 requests per segment) moved by -0.26%,
+    +0.62% and +0.26%, which bounds a per-request leak at about 0.2 MB."""
     growth = rss_growth(runs["cached"].samples)
     assert growth, "too few RSS samples"
     assert all(g < RSS_GROWTH for g in growth), growth
