@@ -592,8 +592,13 @@ def part_markdown(name: str, part: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def run_parts(results_dir: Path, quick: bool, names: tuple[str, ...] = OPTIONAL_PARTS) -> dict[str, Any]:
-    """Each optional part's `run(results_dir, quick)` dict, or a note why it was skipped."""
+def run_parts(
+    results_dir: Path,
+    quick: bool,
+    names: tuple[str, ...] = OPTIONAL_PARTS,
+    options: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Each optional part's `run(results_dir, quick, **options[name])` dict, or a note why it was skipped."""
     parts: dict[str, Any] = {}
     for name in names:
         try:
@@ -605,7 +610,7 @@ def run_parts(results_dir: Path, quick: bool, names: tuple[str, ...] = OPTIONAL_
             parts[name] = {"skipped": f"benchmarks/{name}.py has no run(results_dir, quick)"}
             continue
         try:
-            parts[name] = module.run(results_dir, quick)
+            parts[name] = module.run(results_dir, quick, **(options or {}).get(name, {}))
         except Exception as exc:  # a failing part must not lose the rest of the report
             parts[name] = {"skipped": f"failed: {exc!r}", "traceback": traceback.format_exc()}
     return parts
@@ -619,6 +624,7 @@ def run_report(
     systems: list[str],
     parts: bool,
     work: Path | None = None,
+    part_options: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run the traffic against `systems` (and the optional parts); write the JSON, Markdown, PNGs."""
     import tempfile
@@ -651,7 +657,7 @@ def run_report(
             "plots": plot(raw, config, results_dir),
             "requests": {name: r.get("records", []) for name, r in raw.items()},
         },
-        "parts": run_parts(results_dir, quick=mode != "full") if parts else {},
+        "parts": run_parts(results_dir, quick=mode != "full", options=part_options) if parts else {},
     }
     report["load_average_end"] = round(os.getloadavg()[0], 2)
     for r in report["agent_traffic"]["requests"].values():
@@ -674,13 +680,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--work", type=Path, help="keep server logs and cache folders here (default: a temp dir)"
     )
+    parser.add_argument(
+        "--restart-model",
+        help='model of micro\'s restart part (default: "slice" in full, "ds4" in quick); '
+        '"slice:N" for N routed experts, or "ds4" where the real-width slice cannot run',
+    )
     args = parser.parse_args(argv)
     config = QUICK if args.mode == "quick" else FULL
     if args.seed is not None:
         config = dataclasses.replace(config, seed=args.seed)
     out = args.out or RESULTS_ROOT / datetime.date.today().isoformat()
+    part_options = {"micro": {"restart_model": args.restart_model}} if args.restart_model else None
     report = run_report(
-        out, config, mode=args.mode, systems=args.systems, parts=not args.no_parts, work=args.work
+        out,
+        config,
+        mode=args.mode,
+        systems=args.systems,
+        parts=not args.no_parts,
+        work=args.work,
+        part_options=part_options,
     )
     print((out / "report.md").read_text())
     print(f"wrote {out}/report.json, report.md and plots")
