@@ -50,11 +50,19 @@ def make_engine(**overrides):
     return LLM(**kwargs)
 
 
+#: How long a stopping engine core may take before vLLM kills it. vLLM's default grace is 5 s,
+#: after which the process gets SIGKILL; the connector's last step (the save of requests still
+#: running, then the writer's drain) took longer than that beside other jobs, and
+#: test_restore_exactness lost its stop checkpoint in CI run beside a crash-trial run (seen
+#: 2026-12-02). A core that stops sooner is not waited for.
+SHUTDOWN_GRACE_S = 120.0
+
+
 def shutdown_engine(llm) -> None:
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+        core.shutdown(timeout=SHUTDOWN_GRACE_S)
     del llm
     gc.collect()
 
