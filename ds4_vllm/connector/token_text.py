@@ -55,7 +55,17 @@ class TokenText:
         return cls(pieces, special)
 
     def text(self, token_ids: Sequence[int]) -> bytes:
+        """The bytes of `token_ids`; ids outside the vocabulary add nothing.
+
+        Every lookup of a request renders its whole prompt (a 32k-token prompt took 20-40 ms
+        with a per-id bounds check), so the bounds are checked once and the join maps ids
+        straight to pieces.
+        """
         pieces = self.pieces
+        if len(token_ids) == 0:
+            return b""
+        if 0 <= min(token_ids) and max(token_ids) < len(pieces):
+            return b"".join(map(pieces.__getitem__, token_ids))
         return b"".join(pieces[t] if 0 <= t < len(pieces) else b"" for t in token_ids)
 
     def token_id(self, content: str) -> int | None:

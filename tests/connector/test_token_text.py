@@ -74,3 +74,9 @@ def test_visible_text_leaves_out_closed_reasoning_after_the_assistant_token(toke
     )
     assert token_text.visible_text(tok.encode(head + "</think>Hello!")) is None  # nothing hidden
     assert token_text.visible_text(tok.encode(head + "<think>still thinking")) is None  # unclosed
+
+
+def test_ids_outside_the_vocabulary_add_nothing(token_text) -> None:
+    user = token_text.token_id("<｜User｜>")
+    assert token_text.text([user, -1, len(token_text.pieces), user]) == "<｜User｜><｜User｜>".encode()
+    assert token_text.text([]) == b""
