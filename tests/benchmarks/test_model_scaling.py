@@ -102,7 +102,10 @@ def test_quick_path_writes_figures_and_plot(tmp_path):
     assert (tmp_path / "model_scaling_prefill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert written["plots"] == ["model_scaling_prefill.png"]
     measured, predicted = ratio["measured_time_ratio"], ratio["predicted_flop_ratio"]
-    assert f"| 40->150 | {measured:.3g} | {predicted:.3g} | {measured / predicted:.3g} |" in written["table_markdown"]
+    assert (
+        f"| 40->150 | {measured:.3g} | {predicted:.3g} | {measured / predicted:.3g} |"
+        in written["table_markdown"]
+    )
 
 
 def test_chunked_prefill_matches_one_step():
