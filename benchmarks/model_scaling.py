@@ -48,6 +48,7 @@ from reporting import (  # noqa: E402
     RESULTS_DIR,
     machine_info,
     make_engine,
+    print_table,
     random_prompts,
     shutdown_engine,
     timed_generate,
@@ -413,68 +414,82 @@ def plot_prefill(scaling: dict[str, Any], path: Path, title: str) -> Path:
     return path
 
 
-def _g(x: float) -> str:
-    return f"{x:.3g}"
-
-
 def tables(result: dict[str, Any]) -> str:
     """The figures as Markdown: prefill scaling against arithmetic, engine prefill, decode step."""
     scaling = result["prefill_scaling"]
-    out = [
-        f"### Prefill of `{result['settings']['model']}` (model run directly, chunks of {scaling['chunk']}, "
-        f"median of {scaling['repeats']})",
-        "",
-        "| tokens | seconds | tokens/s | TFLOP | GFLOP/s |",
-        "|---|---|---|---|---|",
+    parts = [
+        print_table(
+            f"Prefill of `{result['settings']['model']}` (model run directly, chunks of "
+            f"{scaling['chunk']}, median of {scaling['repeats']})",
+            ["tokens", "seconds", "tokens/s", "TFLOP", "GFLOP/s"],
+            [
+                [n, r["seconds"], r["tokens_per_s"], r["flops"] / 1e12, r["gflops_per_s"]]
+                for n, r in scaling["lengths"].items()
+            ],
+        ),
+        print_table(
+            "Prefill time ratios against the arithmetic",
+            ["lengths", "measured time ratio", "arithmetic (FLOP) ratio", "measured / predicted"],
+            [
+                [
+                    pair,
+                    r["measured_time_ratio"],
+                    r["predicted_flop_ratio"],
+                    r["measured_time_ratio"] / r["predicted_flop_ratio"],
+                ]
+                for pair, r in scaling["ratios"].items()
+            ],
+        ),
     ]
-    for n, row in scaling["lengths"].items():
-        out.append(
-            f"| {n} | {_g(row['seconds'])} | {_g(row['tokens_per_s'])} | {_g(row['flops'] / 1e12)} "
-            f"| {_g(row['gflops_per_s'])} |"
-        )
-    out += [
-        "",
-        "| lengths | measured time ratio | arithmetic (FLOP) ratio | measured / predicted |",
-        "|---|---|---|---|",
-    ]
-    for pair, r in scaling["ratios"].items():
-        out.append(
-            f"| {pair} | {_g(r['measured_time_ratio'])} | {_g(r['predicted_flop_ratio'])} "
-            f"| {_g(r['measured_time_ratio'] / r['predicted_flop_ratio'])} |"
-        )
     engine = result.get("engine")
     if engine:
         ref = result.get("reference", {})
-        out += ["", "### In vLLM (time to first token) and against transformers", ""]
-        out += [
-            "| tokens | vLLM TTFT s | tokens/s | transformers s | vLLM / transformers speed |",
-            "|---|---|---|---|---|",
-        ]
+        rows = []
         for n, row in engine["prefill"].items():
             hf = ref.get("prefill", {}).get(n)
-            cells = [_g(hf["ttft_s"]), _g(hf["ttft_s"] / row["ttft_s"])] if hf else ["-", "-"]
-            out.append(
-                f"| {n} | {_g(row['ttft_s'])} | {_g(row['tokens_per_s'])} | " + " | ".join(cells) + " |"
+            rows.append(
+                [n, row["ttft_s"], row["tokens_per_s"]]
+                + ([hf["ttft_s"], hf["ttft_s"] / row["ttft_s"]] if hf else ["-", "-"])
             )
+        parts.append(
+            print_table(
+                "In vLLM (time to first token) and against transformers",
+                ["tokens", "vLLM TTFT s", "tokens/s", "transformers s", "vLLM / transformers speed"],
+                rows,
+            )
+        )
         d = engine["decode_batch1"]
-        floor_ms = 1000 * d["lm_head_bytes"] / (d["memory_read_gb_per_s"] * 1e9)
-        out += [
-            "",
-            f"### Batch-1 decode step at {d['context_tokens']} tokens of context (median)",
-            "",
-            "| step ms | our model ms | of it LM head ms | vLLM's own ms | model share | LM head MB | "
-            "LM head read at the measured GB/s, ms |",
-            "|---|---|---|---|---|---|---|",
-            f"| {_g(d['step_ms'])} | {_g(d['model_ms'])} | {_g(d['lm_head_ms'])} | {_g(d['vllm_ms'])} "
-            f"| {_g(d['model_share'])} | {_g(d['lm_head_bytes'] / 1e6)} | {_g(floor_ms)} "
-            f"({_g(d['memory_read_gb_per_s'])} GB/s) |",
-        ]
-        if ref.get("decode_batch1"):
-            out.append(
-                f"\ntransformers' decode step at {ref['decode_batch1']['context_tokens']}: "
-                f"{_g(ref['decode_batch1']['step_ms'])} ms."
+        parts.append(
+            print_table(
+                f"Batch-1 decode step at {d['context_tokens']} tokens of context (median)",
+                [
+                    "step ms",
+                    "our model ms",
+                    "of it LM head ms",
+                    "vLLM's own ms",
+                    "model share",
+                    "LM head MB",
+                    "memory read GB/s",
+                    "LM head read at that rate, ms",
+                ],
+                [
+                    [
+                        d["step_ms"],
+                        d["model_ms"],
+                        d["lm_head_ms"],
+                        d["vllm_ms"],
+                        d["model_share"],
+                        d["lm_head_bytes"] / 1e6,
+                        d["memory_read_gb_per_s"],
+                        1000 * d["lm_head_bytes"] / (d["memory_read_gb_per_s"] * 1e9),
+                    ]
+                ],
             )
-    return "\n".join(out)
+        )
+        if ref.get("decode_batch1"):
+            step = ref["decode_batch1"]
+            parts.append(f"transformers' decode step at {step['context_tokens']}: {step['step_ms']:.3g} ms.")
+    return "\n\n".join(parts)
 
 
 def default_results_dir() -> Path:
