@@ -302,7 +302,14 @@ class Ds4DiskScheduler:
         if state.tool_map is None:
             request = state.request
             params = getattr(request, "kv_transfer_params", None)
-            prompt_bytes = len(self.token_text.text(request.prompt_token_ids or [])) if params else 0
+            prompt_bytes = 0
+            if params:  # the lookup measured the prompt's text already; render it only without one
+                looked_up = self.lookups.get(request.request_id)
+                prompt_bytes = (
+                    looked_up[0]
+                    if looked_up is not None
+                    else len(self.token_text.text(request.prompt_token_ids or []))
+                )
             state.tool_map = RequestToolMap(params, prompt_bytes)
         return state.tool_map
 
