@@ -1,0 +1,49 @@
+"""Issue 11: the agent-traffic report gives the plan's hit-rate ceiling next to the hit rate.
+
+Pure logic on records written by hand: what counts as text no cache could have held.
+"""
+
+from __future__ import annotations
+
+from benchmarks.agent_traffic import RequestRecord
+from benchmarks.report import hit_rate_ceiling, new_tokens
+
+
+def record(index: int, conversation: str, kind: str, prompt: int, completion: int = 10, hit: int = 0):
+    return RequestRecord(
+        index=index,
+        phase=0,
+        conversation=conversation,
+        kind=kind,
+        turn=1,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=hit,
+        hit_tokens=hit,
+        miss_tokens=prompt - hit,
+        disk_tokens=0,
+        ttft_s=0.1,
+        total_s=0.2,
+        decode_tokens_per_s=None,
+        reply="",
+    )
+
+
+RECORDS = [
+    record(0, "a", "main", 1000),  # warm-up: system prompt + task
+    record(1, "b", "main", 1010),  # warm-up
+    record(2, "a", "main", 1200, hit=1005),  # 1200 - (1000 + 10): 190 new
+    record(3, "one-off-1", "one-off", 300),  # all 300 new
+    record(4, "a/sub", "subagent", 1040, hit=1000),  # beyond the shortest warm-up prompt: 40 new
+    record(5, "b", "main", 1015, hit=1015),  # shorter than b's prompt + reply: nothing new
+]
+WARM = {0, 1}
+
+
+def test_new_tokens_are_what_the_server_never_saw():
+    assert new_tokens(RECORDS, WARM) == 190 + 300 + 40 + 0
+
+
+def test_the_ceiling_is_the_hit_rate_of_a_cache_missing_only_those():
+    after_warm_prompt = 1200 + 300 + 1040 + 1015
+    assert hit_rate_ceiling(RECORDS, WARM) == 1 - 530 / after_warm_prompt
