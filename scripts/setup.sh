@@ -46,10 +46,7 @@ _ds4_setup() {
             fi
             echo "setup.sh: installing ds4-vllm[$extra,test,ray] into $venv" >&2
             rm -f "$stamp"
-            # --no-compile: pip would byte-compile every installed file (torch, vLLM, Ray); Python
-            # compiles the modules a process imports on first use instead. 2 min 31 s -> 1 min 39 s
-            # for the install here, +6 s on the first import of the stack.
-            "$venv/bin/python" -m pip install --quiet --no-compile -e "$root[$extra,test,ray]"
+            "$venv/bin/python" -m pip install --quiet -e "$root[$extra,test,ray]"
             if [ "$extra" = cpu ]; then
                 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
                 "$venv/bin/python" "$root/scripts/vllm_cpu_shim.py"
