@@ -10,8 +10,11 @@ cached tokens) and the same output as a server without the connector.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
+import socket
+import threading
 import time
 
 import pytest
@@ -63,10 +66,12 @@ def stream_until_sigterm(server: ServerProcess, prompt: list[int]) -> tuple[int,
     Returns (tokens streamed before the stream ended, the server's exit code).
     """
     import httpx
+    import psutil
     from openai import OpenAI
 
     # vLLM's API server waits for open connections before it exits, and a stream whose engine
-    # was stopped never ends: the client gives up after a minute without data, as agents do.
+    # was stopped never ends. The client hangs up once the engine core has exited (its shutdown
+    # save done), as an agent would give up on a dead stream; the read timeout is the fallback.
     timeout = httpx.Timeout(300.0, read=60.0)
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=timeout, max_retries=0)
     streamed = 0
@@ -78,15 +83,35 @@ def stream_until_sigterm(server: ServerProcess, prompt: list[int]) -> tuple[int,
         stream=True,
         extra_body={"ignore_eos": True},
     )
+    hang_up = None
     try:
         for _ in stream:
             streamed += 1
             if streamed == STREAMED_BEFORE_SIGTERM:
+                children = psutil.Process(server.proc.pid).children(recursive=True)
+                engine = [c for c in children if "EngineCore" in " ".join(c.cmdline())]
                 server.proc.send_signal(signal.SIGTERM)
+                hang_up = threading.Thread(target=_hang_up_after, args=(stream, engine), daemon=True)
+                hang_up.start()
     except Exception:  # the server goes away mid-stream; that is the point
         pass
     exit_code = server.proc.wait(timeout=120)
+    if hang_up is not None:
+        hang_up.join(timeout=5)
     return streamed, exit_code
+
+
+def _hang_up_after(stream, processes) -> None:
+    """Shut the stream's socket down once `processes` (the engine core) have exited."""
+    import psutil
+
+    if not processes:
+        return  # not found: the read timeout ends the stream
+    psutil.wait_procs(processes, timeout=120)
+    sock = stream.response.extensions["network_stream"].get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 @pytest.fixture(scope="module")
