@@ -1,7 +1,7 @@
 """One benchmark report (issue 11): agent traffic against four prefix-cache set-ups, plus optional parts.
 
     python benchmarks/report.py quick    # 3 conversations, 4 rounds (35 min at load 50-80, 8 server starts)
-    python benchmarks/report.py full     # 4 conversations, 8 rounds (over an hour at load 40+)
+    python benchmarks/report.py full     # 4 conversations, 24 rounds (107 requests per system)
     python benchmarks/report.py quick --systems ds4disk memory --no-parts
 
 Both write `benchmarks/results/<YYYY-MM-DD>/` (or `--out DIR`): `report.json` (every figure,
@@ -369,7 +369,7 @@ def hit_rate_ceiling(records: list[RequestRecord], warm: set[int]) -> float | No
 
 def _ttft(records: list[RequestRecord]) -> dict[str, float | None]:
     values = [r.ttft_s for r in records]
-    return {"median_s": _quantile(values, 0.5), "p90_s": _quantile(values, 0.9)}
+    return {"median_s": _quantile(values, 0.5), "p90_s": _quantile(values, 0.9), "total_s": sum(values)}
 
 
 def summarize(raw: dict[str, Any], config: TrafficConfig) -> dict[str, Any]:
@@ -459,14 +459,17 @@ def checks(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "met": dec is not None and dec >= MIN_DECODE_RATIO,
         }
     if "ttft" in disk and "ttft" in single and "error" not in single and "error" not in disk:
-        phases = {
-            ph: _ratio(single["ttft_phase"][ph]["median_s"], disk["ttft_phase"][ph]["median_s"])
-            for ph in ("0", "1")
-        }
+        # Both the typical turn (median) and the whole phase (the sum, where the slow turns
+        # count too) must be faster, before and after the restart.
+        medians, totals = (
+            {ph: _ratio(single["ttft_phase"][ph][key], disk["ttft_phase"][ph][key]) for ph in ("0", "1")}
+            for key in ("median_s", "total_s")
+        )
         a, b = disk["bytes_written_per_reused_token"], single["bytes_written_per_reused_token"]
         out["beats_single_session_throughout"] = {
-            "ttft_median_ratio_single_over_ds4disk_by_phase": phases,
-            "met": all(v is not None and v > 1 for v in phases.values()),
+            "ttft_median_ratio_single_over_ds4disk_by_phase": medians,
+            "ttft_total_ratio_single_over_ds4disk_by_phase": totals,
+            "met": all(v is not None and v > 1 for v in [*medians.values(), *totals.values()]),
         }
         out["fewer_bytes_written_per_reused_token_than_single_session"] = {
             "ds4disk": a,

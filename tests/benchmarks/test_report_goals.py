@@ -1,12 +1,13 @@
-"""Issue 11: the agent-traffic report gives the plan's hit-rate ceiling next to the hit rate.
+"""Issue 11: how the agent-traffic report judges its goals.
 
-Pure logic on records written by hand: what counts as text no cache could have held.
+Pure logic on records and summaries written by hand: the plan's hit-rate ceiling (text no cache
+could have held), and what "beats the single-session policy throughout" asks.
 """
 
 from __future__ import annotations
 
 from benchmarks.agent_traffic import RequestRecord
-from benchmarks.report import hit_rate_ceiling, new_tokens
+from benchmarks.report import checks, hit_rate_ceiling, new_tokens
 
 
 def record(index: int, conversation: str, kind: str, prompt: int, completion: int = 10, hit: int = 0):
@@ -47,3 +48,24 @@ def test_new_tokens_are_what_the_server_never_saw():
 def test_the_ceiling_is_the_hit_rate_of_a_cache_missing_only_those():
     after_warm_prompt = 1200 + 300 + 1040 + 1015
     assert hit_rate_ceiling(RECORDS, WARM) == 1 - 530 / after_warm_prompt
+
+
+def summary(phase_medians: tuple[float, float], phase_totals: tuple[float, float]) -> dict:
+    phases = {
+        str(ph): {"median_s": m, "p90_s": m, "total_s": t}
+        for ph, (m, t) in enumerate(zip(phase_medians, phase_totals, strict=True))
+    }
+    return {"ttft": phases["0"], "ttft_phase": phases, "bytes_written_per_reused_token": 600.0}
+
+
+def beats_single(disk: dict, single: dict) -> bool:
+    return checks({"ds4disk": disk, "single-session": single})["beats_single_session_throughout"]["met"]
+
+
+def test_beating_the_single_session_policy_needs_faster_medians_and_totals_in_both_phases():
+    disk = summary((0.30, 0.35), (20.0, 24.0))
+    assert beats_single(disk, summary((0.33, 0.36), (23.0, 26.0)))
+    # a faster typical turn, but slower overall after the restart (its slow turns)
+    assert not beats_single(disk, summary((0.33, 0.36), (23.0, 23.5)))
+    # slower overall is not enough without a faster typical turn
+    assert not beats_single(disk, summary((0.33, 0.35), (23.0, 26.0)))
