@@ -715,11 +715,10 @@ def run(
             results["lookup"] = lookup_cost(lookup_counts, work, calls=50 if quick else 200)
         if "restart" in parts:
             if restart_model.startswith("slice"):  # "slice", or "slice:16" for 16 routed experts
-                from slice_model import make_slice_model, slice_config
+                from slice_model import slice_for
 
-                experts = int(restart_model.partition(":")[2] or 256)
-                model = str(make_slice_model(config=slice_config(n_routed_experts=experts)))
-                label = "slice" if experts == 256 else f"slice with {experts} routed experts"
+                _, path, label = slice_for(restart_model)
+                model = str(path)
             else:
                 model, label = restart_model, restart_model
             progress(f"(c) restart restore ({label}, {args.restart_length} tokens)")

@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/model_scaling.py --quick          # 2k and 8k, a few minutes
     .venv/bin/python benchmarks/model_scaling.py --full           # 2k, 8k, 32k (+ reference at 8k)
-    .venv/bin/python benchmarks/model_scaling.py --quick --model /path/to/slice-model
+    .venv/bin/python benchmarks/model_scaling.py --model slice:16 --lengths 2048 --repeats 1 --decode-tokens 9
 
-Writes ``model_scaling.json`` and ``model_scaling_prefill.png`` into ``--results-dir``
+Writes ``model_scaling.json`` and ``model_scaling_prefill.png`` (a slice: ``model_scaling_slice16.json``,
+engine part only) into ``--results-dir``
 (default ``benchmarks/results/<YYYY-MM-DD>/``). The report builder calls `run` directly.
 
 - **Prefill scaling**: the model run directly (no engine: paged caches and metadata built by
@@ -75,9 +76,15 @@ def median_of(fn: Callable[[], float], repeats: int) -> tuple[float, list[float]
 
 
 def load_config(model: str) -> Any:
+    """(config, path) of "ds4", "slice[:N]" (the real-width slice GGUF) or a model directory."""
     from ds4_vllm.model.config import Ds4Config
     from ds4_vllm.model.default_model import default_model_dir
 
+    if model.startswith("slice"):
+        from slice_model import slice_for
+
+        config, path, _ = slice_for(model)
+        return config, path
     path = default_model_dir() if model == "ds4" else Path(model)
     return Ds4Config.from_pretrained(str(path)), path
 
@@ -416,31 +423,35 @@ def plot_prefill(scaling: dict[str, Any], path: Path, title: str) -> Path:
 
 def tables(result: dict[str, Any]) -> str:
     """The figures as Markdown: prefill scaling against arithmetic, engine prefill, decode step."""
-    scaling = result["prefill_scaling"]
-    parts = [
-        print_table(
-            f"Prefill of `{result['settings']['model']}` (model run directly, chunks of "
-            f"{scaling['chunk']}, median of {scaling['repeats']})",
-            ["tokens", "seconds", "tokens/s", "TFLOP", "GFLOP/s"],
-            [
-                [n, r["seconds"], r["tokens_per_s"], r["flops"] / 1e12, r["gflops_per_s"]]
-                for n, r in scaling["lengths"].items()
-            ],
-        ),
-        print_table(
-            "Prefill time ratios against the arithmetic",
-            ["lengths", "measured time ratio", "arithmetic (FLOP) ratio", "measured / predicted"],
-            [
+    scaling = result.get("prefill_scaling")
+    parts = (
+        []
+        if scaling is None
+        else [
+            print_table(
+                f"Prefill of `{result['settings']['model']}` (model run directly, chunks of "
+                f"{scaling['chunk']}, median of {scaling['repeats']})",
+                ["tokens", "seconds", "tokens/s", "TFLOP", "GFLOP/s"],
                 [
-                    pair,
-                    r["measured_time_ratio"],
-                    r["predicted_flop_ratio"],
-                    r["measured_time_ratio"] / r["predicted_flop_ratio"],
-                ]
-                for pair, r in scaling["ratios"].items()
-            ],
-        ),
-    ]
+                    [n, r["seconds"], r["tokens_per_s"], r["flops"] / 1e12, r["gflops_per_s"]]
+                    for n, r in scaling["lengths"].items()
+                ],
+            ),
+            print_table(
+                "Prefill time ratios against the arithmetic",
+                ["lengths", "measured time ratio", "arithmetic (FLOP) ratio", "measured / predicted"],
+                [
+                    [
+                        pair,
+                        r["measured_time_ratio"],
+                        r["predicted_flop_ratio"],
+                        r["measured_time_ratio"] / r["predicted_flop_ratio"],
+                    ]
+                    for pair, r in scaling["ratios"].items()
+                ],
+            ),
+        ]
+    )
     engine = result.get("engine")
     if engine:
         ref = result.get("reference", {})
@@ -507,16 +518,21 @@ def run(
     max_reference_tokens: int | None = None,
     decode_context: int = DECODE_CONTEXT,
     decode_tokens: int = DECODE_TOKENS,
+    direct: bool | None = None,
 ) -> dict[str, Any]:
     """Measure, write ``model_scaling.json`` and ``model_scaling_prefill.png`` into ``results_dir``.
 
     ``quick``: 2k and 8k; else 2k, 8k, 32k (128k only where the model's position limit allows).
     ``reference`` defaults to on for the default model (transformers has its weights) only.
+    ``direct`` (the model run outside vLLM, for the prefill scaling) defaults to on except for
+    a slice: the direct harness loads safetensors directories, the slice is a GGUF file.
     """
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    config = load_config(model)[0]
+    config, model_path = load_config(model)
+    if direct is None:
+        direct = not model.startswith("slice")
     if lengths is None:
         lengths = list(QUICK_LENGTHS if quick else FULL_LENGTHS)
         limit = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -548,13 +564,17 @@ def run(
             "dtype": "float32",
         },
     }
-    print(f"prefill scaling ({model}, direct, chunks of {CHUNK}):", flush=True)
-    net, _ = build_direct_model(model)
-    result["prefill_scaling"] = prefill_scaling(net, config, lengths, repeats)
-    del net
+    if direct:
+        print(f"prefill scaling ({model}, direct, chunks of {CHUNK}):", flush=True)
+        net, _ = build_direct_model(model)
+        result["prefill_scaling"] = prefill_scaling(net, config, lengths, repeats)
+        del net
     if engine:
         print("vLLM engine (in-process core):", flush=True)
-        result["engine"] = engine_measurements(model, config, lengths, repeats, decode_context, decode_tokens)
+        engine_model = model if model == "ds4" else str(model_path)
+        result["engine"] = engine_measurements(
+            engine_model, config, lengths, repeats, decode_context, decode_tokens
+        )
     if reference:
         ref_lengths = [n for n in lengths if n <= max_reference_tokens]
         print(f"transformers reference (eager) at {ref_lengths}:", flush=True)
@@ -567,16 +587,17 @@ def run(
             if n > max_reference_tokens
         }
     result["wall_s"] = time.perf_counter() - t_start
-    plot = plot_prefill(
-        result["prefill_scaling"],
-        results_dir / "model_scaling_prefill.png",
-        f"{model}: prefill time vs length",
-    )
-    result["plots"] = [plot.name]
+    name = f"model_scaling_{model.replace(':', '')}" if model.startswith("slice") else "model_scaling"
+    result["plots"] = []
+    if "prefill_scaling" in result:
+        plot = plot_prefill(
+            result["prefill_scaling"], results_dir / f"{name}_prefill.png", f"{model}: prefill time vs length"
+        )
+        result["plots"] = [plot.name]
     result["table_markdown"] = tables(result)
-    out = results_dir / "model_scaling.json"
+    out = results_dir / f"{name}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out} and {plot}", flush=True)
+    print(f"wrote {out} and {result['plots']}", flush=True)
     return result
 
 
@@ -592,6 +613,7 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true", help="skip the vLLM engine part")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers' reference")
     ap.add_argument("--max-reference-tokens", type=int, default=None, help="longest reference prefill")
+    ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="new tokens per decode request")
     args = ap.parse_args()
     run(
         args.results_dir or default_results_dir(),
@@ -602,6 +624,7 @@ def main() -> None:
         engine=not args.no_engine,
         reference=False if args.no_reference else None,
         max_reference_tokens=args.max_reference_tokens,
+        decode_tokens=args.decode_tokens,
     )
 
 

@@ -354,6 +354,22 @@ def make_slice_model(
     return final
 
 
+def slice_for(spec: str) -> tuple[Ds4Config, Path, str]:
+    """(config, GGUF path, label) for a benchmark's model argument "slice" or "slice:N".
+
+    N is the routed-expert count (default 256); every other width is real. The file is made
+    once (`make_slice_model`).
+    """
+    name, colon, experts = spec.partition(":")
+    if name != "slice" or (colon and not (experts.isdigit() and int(experts) > 0)):
+        raise ValueError(f'slice model {spec!r}: expected "slice" or "slice:N" (N routed experts)')
+    config = slice_config(n_routed_experts=int(experts or 256))
+    label = (
+        "slice" if config.n_routed_experts == 256 else f"slice with {config.n_routed_experts} routed experts"
+    )
+    return config, make_slice_model(config=config), label
+
+
 def expected_scale(qtype: GgmlType, std: float) -> tuple[float, float]:
     """(d, dmin) the generator writes into routed-expert blocks (re-exported for tests)."""
     return _expert_scales(qtype, std)

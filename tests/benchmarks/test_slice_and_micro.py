@@ -179,3 +179,24 @@ def test_q4_recipe_writes_q4_k_experts_and_bad_recipes_are_named(tmp_path):
     with pytest.raises(ValueError, match="expert_stacks must be >= 1"):
         slice_model.make_slice_model(tmp_path, config=reduced_config(), expert_stacks=0)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left behind
+
+
+@pytest.mark.parametrize("spec", ["slice:", "slice:x", "slice:-4", "slice:0", "slices", "ds4"])
+def test_a_bad_slice_argument_is_named_before_any_file_is_made(spec, monkeypatch):
+    monkeypatch.setattr(slice_model, "make_slice_model", lambda **_: pytest.fail("made a file"))
+    with pytest.raises(ValueError, match='expected "slice" or "slice:N"'):
+        slice_model.slice_for(spec)
+
+
+def test_slice_argument_gives_its_expert_count_and_the_label(monkeypatch, tmp_path):
+    monkeypatch.setattr(
+        slice_model, "make_slice_model", lambda config: tmp_path / str(config.n_routed_experts)
+    )
+    config, path, label = slice_model.slice_for("slice:16")
+    assert (config.n_routed_experts, config.hidden_size, path, label) == (
+        16,
+        4096,
+        tmp_path / "16",
+        "slice with 16 routed experts",
+    )
+    assert slice_model.slice_for("slice")[2] == "slice"
