@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds4_vllm.model.quant import QuantizedWeight, QuantType, packed_shape, scale_shape
+from ds4_vllm.model.quant import QuantizedWeight, QuantType, modules, packed_shape, scale_shape
 from ds4_vllm.model.quant.dequant import dequantize
-from ds4_vllm.model.quant.modules import QuantExperts, QuantExpertWeight, QuantLinear
+from ds4_vllm.model.quant.modules import QuantExperts, QuantExpertWeight, QuantLinear, quant_linear
 
 
 def q8_0(shape: tuple[int, ...], seed: int) -> QuantizedWeight:
@@ -38,6 +38,46 @@ def test_quant_linear_keeps_bytes_packed_and_matches_float_linear() -> None:
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
     assert torch.equal(layer(x), F.linear(x, dequantize(weight)))
     assert torch.equal(layer(x.bfloat16()), F.linear(x.bfloat16(), dequantize(weight, dtype=torch.bfloat16)))
+
+
+def fp8_block(shape: tuple[int, int], seed: int) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 126, shape, dtype=torch.uint8, generator=g)  # finite E4M3 codes
+    scale = torch.randint(118, 124, scale_shape(QuantType.FP8_BLOCK, shape), dtype=torch.uint8, generator=g)
+    return QuantizedWeight(QuantType.FP8_BLOCK, shape, data, scale)
+
+
+@pytest.mark.parametrize("make", [q8_0, mxfp4, fp8_block], ids=["q8_0", "mxfp4", "fp8_block"])
+@pytest.mark.parametrize("tokens", [(1,), (3, 2)], ids=["one-token", "batch-of-6"])
+def test_few_tokens_apply_a_large_packed_weight_in_row_blocks(make, tokens, monkeypatch) -> None:
+    """Decode: the weight is dequantized a row block at a time, never whole, with F.linear's values."""
+    monkeypatch.setattr(modules, "ROW_BLOCK_BYTES", 64 * 256 * 4)  # 64 rows of 256 inputs a block
+    weight = make((300, 256), seed=5)  # 4 blocks of 64 rows and one of 44
+    bias = torch.randn(300, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(*tokens, 256, generator=torch.Generator().manual_seed(7))
+    requested: list[int] = []
+
+    def recording(w, index=None, dtype=torch.float32):
+        requested.append(w.shape[0] if index is None else len(index))
+        return dequantize(w, index=index, dtype=dtype)
+
+    monkeypatch.setattr(modules, "dequantize", recording)
+    got = quant_linear(x, weight, bias)
+    assert requested == [64, 64, 64, 64, 44]
+    full = dequantize(weight)
+    expected = F.linear(x, full, bias)
+    # Only the order of the 256-term sums may differ: the bound for float32 summation,
+    # 256 * 2^-24 * (|x| @ |w|^T + |bias|), elementwise.
+    bound = 256 * 2.0**-24 * (F.linear(x.abs(), full.abs()) + bias.abs())
+    assert got.shape == expected.shape
+    assert bool(((got - expected).abs() <= bound).all())
+
+
+def test_a_prefill_chunk_uses_the_whole_weight_once(monkeypatch) -> None:
+    monkeypatch.setattr(modules, "ROW_BLOCK_BYTES", 64 * 256 * 4)
+    weight = q8_0((300, 256), seed=5)
+    x = torch.randn(modules.ROW_BLOCK_MAX_TOKENS + 1, 256, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(quant_linear(x, weight), F.linear(x, dequantize(weight)))
 
 
 def test_quant_linear_accepts_a_float_weight() -> None:
@@ -155,3 +195,20 @@ def test_quant_experts_one_token_path_matches_the_general_path_bit_for_bit(packe
     general = [quant(x[t : t + 1], indices[t : t + 1], weights[t : t + 1]) for t in range(9)]
     for t in range(9):
         assert torch.equal(fast[t], general[t]), f"token {t}"
+
+
+def test_one_token_dequantizes_only_its_experts_a_matrix_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes: list[tuple[int, ...]] = []
+
+    def recording_dequantize(weight: QuantizedWeight, index=None, dtype=torch.float32) -> torch.Tensor:
+        assert index is None
+        shapes.append(weight.shape)
+        return dequantize(weight, index=index, dtype=dtype)
+
+    quant = make_quant_experts(8, 64, 96, budget=1 << 30)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    indices, weights = torch.tensor([[5, 2]]), torch.tensor([[0.25, 0.75]])
+    monkeypatch.setattr(modules, "dequantize", recording_dequantize)
+    quant(x, indices, weights)
+    # experts 2 then 5, each gate, up, down: one [out, in] matrix per call, never the stack
+    assert shapes == [(96, 64), (96, 64), (64, 96)] * 2

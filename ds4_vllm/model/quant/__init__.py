@@ -172,6 +172,13 @@ class QuantizedWeight:
                 scale = scale.reshape(want_scale)
         return cls(qtype, tuple(shape), data.reshape(want), scale)
 
+    def entry(self, i: int) -> QuantizedWeight:
+        """Entry ``i`` of a stacked weight ([E, out, in] -> [out, in]) as a view of the same bytes."""
+        if len(self.shape) < 3:
+            raise ValueError(f"{self.qtype.value} weight of logical shape {self.shape} is not a stack")
+        scale = None if self.scale is None else self.scale[i]
+        return QuantizedWeight(self.qtype, self.shape[1:], self.data[i], scale, self.mapped)
+
     @property
     def nbytes(self) -> int:
         """Resident bytes: packed data plus scales."""
