@@ -37,9 +37,9 @@ from ds4_vllm.model.quant.dequant import IndexLike, dequantize
 WeightLike = torch.Tensor | QuantizedWeight
 
 
-#: Float bytes of one row block of a packed weight when few tokens pass through it: the block
-#: is dequantized and multiplied while it is still in the CPU's cache, and no full-size float
-#: copy is allocated. Measured on a [16,160, 4,096] Q8_0 weight, one token: 0.054 s in 8 MiB
+#: Float bytes of one row block of a packed weight when few tokens pass through it on a CPU: the
+#: block is dequantized and multiplied while it is still in the CPU's cache, and no full-size
+#: float copy is allocated (on a GPU, hundreds of small kernel launches would cost more). Measured on a [16,160, 4,096] Q8_0 weight, one token: 0.054 s in 8 MiB
 #: blocks against 0.20 s whole (a decode step's LM head of the real-width slice, 0.73 s whole).
 ROW_BLOCK_BYTES = 8 << 20
 #: Up to this many tokens the row blocks are faster (measured 1 to 256; at 2,048, a prefill
@@ -50,9 +50,9 @@ ROW_BLOCK_MAX_TOKENS = 256
 def quant_linear(x: torch.Tensor, weight: WeightLike, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with a weight that may be packed: dequantized to ``x.dtype`` for this call only.
 
-    A large packed 2-D weight used by a few tokens (decode) is dequantized and applied in row
-    blocks of ``ROW_BLOCK_BYTES``; the values are the same, the sums may round differently
-    in the last bits (the BLAS kernel's blocking depends on the output width).
+    On a CPU, a large packed 2-D weight used by a few tokens (decode) is dequantized and applied
+    in row blocks of ``ROW_BLOCK_BYTES``; the values are the same, the sums may round
+    differently in the last bits (the BLAS kernel's blocking depends on the output width).
     """
     if not isinstance(weight, QuantizedWeight):
         return F.linear(x, weight.to(x.dtype), bias)
@@ -60,7 +60,8 @@ def quant_linear(x: torch.Tensor, weight: WeightLike, bias: torch.Tensor | None 
     rows = max(1, ROW_BLOCK_BYTES // (4 * in_features))
     tokens = x.numel() // max(1, in_features)
     if (
-        len(weight.shape) != 2
+        x.device.type != "cpu"
+        or len(weight.shape) != 2
         or weight.qtype in (QuantType.F32, QuantType.F16, QuantType.BF16)
         or out_features <= rows
         or tokens > ROW_BLOCK_MAX_TOKENS
@@ -370,9 +371,9 @@ class QuantExperts(nn.Module):
         expert_ids = sorted(e for e in slot_of if e in self.experts)
         scaled = weights.to(x.dtype)
         stored = tuple(p.stored_weight() for p in (self.gate_proj, self.up_proj, self.down_proj))
-        if any(isinstance(w, QuantizedWeight) for w in stored):
-            # Packed: each weight goes to quant_linear whole, which dequantizes a large one in
-            # cache-sized row blocks (a real-width expert matrix is 32 MiB of float32).
+        if x.device.type == "cpu" and any(isinstance(w, QuantizedWeight) for w in stored):
+            # Packed: each weight goes to quant_linear whole, which on a CPU dequantizes a large
+            # one in cache-sized row blocks (a real-width expert matrix is 32 MiB of float32).
             for e in expert_ids:
                 local = e - self.experts.start
                 parts = (w.entry(local) if isinstance(w, QuantizedWeight) else w[local] for w in stored)
