@@ -39,8 +39,9 @@ WeightLike = torch.Tensor | QuantizedWeight
 
 #: Float bytes of one row block of a packed weight when few tokens pass through it on a CPU: the
 #: block is dequantized and multiplied while it is still in the CPU's cache, and no full-size
-#: float copy is allocated (on a GPU, hundreds of small kernel launches would cost more). Measured on a [16,160, 4,096] Q8_0 weight, one token: 0.054 s in 8 MiB
-#: blocks against 0.20 s whole (a decode step's LM head of the real-width slice, 0.73 s whole).
+#: float copy is allocated (on a GPU, hundreds of small kernel launches would cost more).
+#: Measured on a [16,160, 4,096] Q8_0 weight, one token: 0.054 s in 8 MiB blocks against
+#: 0.20 s whole (a decode step's LM head of the real-width slice, 0.73 s whole).
 ROW_BLOCK_BYTES = 8 << 20
 #: Up to this many tokens the row blocks are faster (measured 1 to 256; at 2,048, a prefill
 #: chunk, the whole weight is faster: the matmul dominates and reuses one dequantization).
