@@ -424,10 +424,9 @@ def plot_prefill(scaling: dict[str, Any], path: Path, title: str) -> Path:
 def tables(result: dict[str, Any]) -> str:
     """The figures as Markdown: prefill scaling against arithmetic, engine prefill, decode step."""
     scaling = result.get("prefill_scaling")
-    parts = (
-        []
-        if scaling is None
-        else [
+    parts = []
+    if scaling is not None:
+        parts += [
             print_table(
                 f"Prefill of `{result['settings']['model']}` (model run directly, chunks of "
                 f"{scaling['chunk']}, median of {scaling['repeats']})",
@@ -451,7 +450,6 @@ def tables(result: dict[str, Any]) -> str:
                 ],
             ),
         ]
-    )
     engine = result.get("engine")
     if engine:
         ref = result.get("reference", {})
@@ -518,21 +516,19 @@ def run(
     max_reference_tokens: int | None = None,
     decode_context: int = DECODE_CONTEXT,
     decode_tokens: int = DECODE_TOKENS,
-    direct: bool | None = None,
 ) -> dict[str, Any]:
     """Measure, write ``model_scaling.json`` and ``model_scaling_prefill.png`` into ``results_dir``.
 
     ``quick``: 2k and 8k; else 2k, 8k, 32k (128k only where the model's position limit allows).
     ``reference`` defaults to on for the default model (transformers has its weights) only.
-    ``direct`` (the model run outside vLLM, for the prefill scaling) defaults to on except for
-    a slice: the direct harness loads safetensors directories, the slice is a GGUF file.
+    A slice ("slice[:N]") gets the engine part only: the direct harness of the prefill scaling
+    loads safetensors directories, and the slice is a GGUF file.
     """
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     config, model_path = load_config(model)
-    if direct is None:
-        direct = not model.startswith("slice")
+    direct = not model.startswith("slice")
     if lengths is None:
         lengths = list(QUICK_LENGTHS if quick else FULL_LENGTHS)
         limit = int(getattr(config, "max_position_embeddings", 0) or 0)
