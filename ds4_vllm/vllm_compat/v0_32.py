@@ -138,7 +138,7 @@ def resolve_default_model_name() -> None:
 
     @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from ds4_vllm import resolve_default_model
+        from ds4_vllm.model.embedded import resolve_default_model
         from ds4_vllm.serving.startup import select_tokenizer_mode
 
         resolve_default_model(self)
@@ -151,7 +151,7 @@ def resolve_default_model_name() -> None:
 
     @functools.wraps(original_get_model_path)
     def get_model_path(model: Any, revision: str | None = None) -> Any:
-        from ds4_vllm import embedded_model_path
+        from ds4_vllm.model.embedded import embedded_model_path
 
         return embedded_model_path(model) or original_get_model_path(model, revision)
 
