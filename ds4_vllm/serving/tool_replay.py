@@ -2,7 +2,7 @@
 
 Three parts of one request meet here:
 
-1. Rendering: `ToolReplay` is the renderer's `replay` callback (ds4_vllm/chat/render.py). It
+1. Rendering: `ToolReplay` is the renderer's `replay` callback (`ds4_vllm.chat.dsml.replayed_dsml`). It
    answers a tool-call id with the exact DSML sampled for it, reading the checkpoint directory's
    KTM trailers again once per request when an id is unknown (another server may have made it).
 2. Before the request goes to the engine (`tool_transfer_params`, called from the tool parser's

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.parser.parser_manager import ParserManager
 
-from ds4_vllm.chat.render import ToolCall as RenderCall
-from ds4_vllm.chat.render import render_chat_completion
+from ds4_vllm.chat.chat_request import render_chat_completion
+from ds4_vllm.chat.messages import ToolCall as RenderCall
 from ds4_vllm.chat.tokenizer import THINK_END, THINK_START, default_tokenizer
 from ds4_vllm.serving.parsers import register_parsers
 from ds4_vllm.serving.tool_replay import TOOL_IDS_KEY, TOOL_MAP_KEY, ToolReplay, set_tool_memory
@@ -211,7 +211,7 @@ def test_render_of_remembered_single_call_block_is_exact() -> None:
     )
     memory = ToolMemory()
     memory.remember("call_1", block)
-    from ds4_vllm.chat.render import replayed_dsml
+    from ds4_vllm.chat.dsml import replayed_dsml
 
     assert replayed_dsml([RenderCall("call_1", "f", "{}")], ToolReplay(memory)) == block
     assert replayed_dsml([RenderCall("call_2", "f", "{}")], ToolReplay(memory)) is None
