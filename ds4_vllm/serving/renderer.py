@@ -21,9 +21,10 @@ sent compact JSON.
 Offline `LLM.generate` text is tokenized as is (no wrapper): that API takes raw model input.
 
 `ctx_size` (which decides whether max reasoning effort injects its prefix) is vLLM's
-`max_model_len`, the engine's `-c`. Exact replay of sampled tool calls comes from a tool memory
-(`ds4_vllm.serving.tool_replay`); the ids of a prompt that extends a known state's text are that
-state's exact ids plus the rest tokenized (`ds4_vllm.serving.token_memory`).
+`max_model_len`, the engine's `-c`. The renderer owns the API server's `ServingState`
+(`ds4_vllm.serving.state`): exact replay of sampled tool calls comes from its tool memory, and
+the ids of a prompt that extends a known state's text are that state's exact ids plus the rest
+tokenized (its text reuse).
 """
 
 from __future__ import annotations
@@ -41,15 +42,14 @@ from ds4_vllm.chat.chat_request import render_chat_completion
 from ds4_vllm.chat.completion_request import render_completion
 from ds4_vllm.chat.fields import RenderError
 from ds4_vllm.chat.json_text import JsonTextError, parse_json
-from ds4_vllm.chat.messages import Replay
 from ds4_vllm.chat.responses_request import render_responses
 from ds4_vllm.chat.template import RenderedPrompt, completion_prompt_text
 
-from .request_body import RawRequest, Route, current_raw_request
+from .request_body import RawRequest, Route
 from .request_checks import check_tool_history
-from .token_memory import configure_text_reuse
+from .request_context import current_request
+from .state import ServingState, register_for_tokenizer
 from .tokenizer import Ds4HfTokenizer
-from .tool_replay import ToolReplay
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -148,19 +148,19 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
     def __init__(self, config: VllmConfig, tokenizer: Ds4HfTokenizer | None) -> None:
         super().__init__(config, tokenizer)
         self.ctx_size = config.model_config.max_model_len
-        self.replay: Replay = ToolReplay()  # exact replay of sampled tool calls (tool memory)
+        self.serving = ServingState.from_config(config, tokenizer.ds4 if tokenizer is not None else None)
+        if tokenizer is not None:
+            register_for_tokenizer(tokenizer, self.serving)  # the tool parser's way to it
         self._render_async = make_async(self.render_request, executor=self._executor)
         self._warned_no_body = False
-        self.text_reuse = configure_text_reuse(config, tokenizer.ds4) if tokenizer is not None else None
 
     # -- text -------------------------------------------------------------------------------------
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a rendered prompt as the engine builds them: the exact ids of the longest
         known state whose text begins it, then the tokenization of the rest (text-keyed reuse)."""
-        if self.text_reuse is None:
-            return self.get_tokenizer().ds4.encode(text)
-        return self.text_reuse.encode(text)
+        reuse = self.serving.text_reuse
+        return self.get_tokenizer().ds4.encode(text) if reuse is None else reuse.encode(text)
 
     def render_request(
         self,
@@ -176,7 +176,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
                 check_tool_history(raw.route, body)
                 switch = route_thinking_switch(raw.route, body, kwargs)
                 rendered = _RENDERERS[raw.route](
-                    body, ctx_size=self.ctx_size, replay=self.replay, vllm_switch=switch
+                    body, ctx_size=self.ctx_size, replay=self.serving.replay, vllm_switch=switch
                 )
                 if describes(rendered, messages):
                     return rendered
@@ -190,7 +190,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
             body = fallback_chat_body(messages, params)
             switch = route_thinking_switch(Route.CHAT, body, kwargs)
             return render_chat_completion(
-                body, ctx_size=self.ctx_size, replay=self.replay, vllm_switch=switch
+                body, ctx_size=self.ctx_size, replay=self.serving.replay, vllm_switch=switch
             )
         except RenderError as exc:
             raise VLLMValidationError(str(exc)) from None
@@ -216,7 +216,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         messages: list[ChatCompletionMessageParam],
         params: ChatParams,
     ) -> tuple[list[ConversationMessage], DictPrompt]:
-        return self._prompt(self.render_request(current_raw_request(), messages, params))
+        return self._prompt(self.render_request(current_request().raw, messages, params))
 
     async def render_messages_async(
         self,
@@ -224,7 +224,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         params: ChatParams,
     ) -> tuple[list[ConversationMessage], DictPrompt]:
         # The context variable is read here: the executor's threads do not inherit it.
-        rendered = await self._render_async(current_raw_request(), messages, params)
+        rendered = await self._render_async(current_request().raw, messages, params)
         return self._prompt(rendered)
 
     # -- /v1/completions (§8.2) -------------------------------------------------------------------
@@ -235,7 +235,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         Token-id prompts and embeddings are used as given. A list of text prompts renders each
         one (the engine itself answers only the first).
         """
-        raw = current_raw_request()
+        raw = current_request().raw
         if raw is None or raw.route is not Route.COMPLETION or not isinstance(prompt, dict):
             return prompt
         text = prompt.get("prompt")

@@ -19,9 +19,9 @@ from ds4_vllm.serving.request_body import (
     RawRequest,
     RawRequestBodyMiddleware,
     Route,
-    current_raw_request,
     route_for,
 )
+from ds4_vllm.serving.request_context import current_request
 from ds4_vllm.serving.startup import (
     RAW_BODY_MIDDLEWARE,
     USAGE_MIDDLEWARE,
@@ -59,7 +59,7 @@ def _run_middleware(scope: dict, chunks: list[bytes]) -> tuple[RawRequest | None
     seen: dict = {}
 
     async def app(scope, receive, send):
-        seen["raw"] = current_raw_request()
+        seen["raw"] = current_request().raw
         body = b""
         while True:
             message = await receive()
@@ -90,7 +90,7 @@ def test_middleware_hands_the_exact_body_to_the_renderer_and_to_vllm() -> None:
     assert raw is not None and raw.route is Route.CHAT and raw.body == b"".join(chunks)
     assert body == b"".join(chunks)
     assert after == [{"type": "http.disconnect"}]
-    assert current_raw_request() is None  # reset when the request is done
+    assert current_request().raw is None  # reset when the request is done
 
 
 def test_middleware_leaves_other_requests_alone() -> None:
