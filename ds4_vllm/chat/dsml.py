@@ -1,6 +1,11 @@
-"""Generated text -> reasoning, content and tool calls, the way the ds4 engine reads its own output.
+"""DSML, the ds4 engine's tool-call block: written into prompts, read back from generated text.
 
-The model writes tool calls as a DSML block (spec §8, `parse_generated_message_ex`)::
+Writing (the renderer, spec §8.1 `append_dsml_tool_calls_text`): `dsml_tool_calls` is the canonical
+form of an assistant's calls; `replayed_dsml` gives the exact block the model sampled instead, when
+every call id maps to it (exact replay). Reading (`parse_generated`, `parse_generated_message_ex`):
+generated text -> reasoning, content and tool calls, the way the engine reads its own output.
+
+The model writes tool calls as a DSML block::
 
     \\n\\n<｜DSML｜tool_calls>
     <｜DSML｜invoke name="get_weather">
@@ -14,7 +19,7 @@ gets JSON arguments, and re-rendering JSON rarely gives back the sampled bytes. 
 (tool parser) and the engine core (KTM trailers) call `parse_generated`, so they agree on which
 block was sampled and how many calls it holds.
 
-Rules, as the engine's:
+Reading rules, as the engine's:
 - Reasoning: a leading `<think>` is dropped and the text splits at the first `</think>`; without
   one, everything is content.
 - The block is looked for after the last `</think>`. Three spellings are accepted: `｜DSML｜`, the
@@ -34,9 +39,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 
-from .json_text import json_string, minify
+from .fields import cstr
+from .json_text import C_SPACE, JsonTextError, json_string, minify, read_string, skip_space, skip_value
+from .messages import Replay, ToolCall
 from .tokenizer import THINK_END, THINK_START
+
+#: The closing parameter tag, escaped inside values the canonical writer puts in a block.
+DSML_PARAMETER_CLOSE = "</｜DSML｜parameter>"
 
 #: The three block spellings: (tool_calls open, close, invoke open, close, parameter open, close).
 _FORMS: tuple[tuple[str, str, str, str, str, str], ...] = tuple(
@@ -52,8 +63,6 @@ _FORMS: tuple[tuple[str, str, str, str, str, str], ...] = tuple(
 )
 #: Every string that can start a block, for holding back streamed text that might become one.
 BLOCK_STARTS: tuple[str, ...] = tuple(form[0] for form in _FORMS)
-#: C `isspace`: what the engine skips between tags and trims before a block.
-_C_SPACE = " \t\n\v\f\r"
 _ENTITIES = re.compile("&(amp|lt|gt|quot|apos);")
 _ENTITY_CHARS = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
 
@@ -138,7 +147,7 @@ def parse_tool_calls(content: str) -> ToolCallsParse:
         calls, end = _parse_block(content, start, _FORMS[form])
     except DsmlError as exc:
         return ToolCallsParse(content, error=str(exc))
-    return ToolCallsParse(content[:start].rstrip(_C_SPACE), tuple(calls), content[start:end], (start, end))
+    return ToolCallsParse(content[:start].rstrip(C_SPACE), tuple(calls), content[start:end], (start, end))
 
 
 def parse_generated(text: str) -> GeneratedMessage:
@@ -151,13 +160,6 @@ def parse_generated(text: str) -> GeneratedMessage:
 
 
 # -- the block grammar --------------------------------------------------------------------------
-
-
-def _skip_space(text: str, pos: int) -> int:
-    n = len(text)
-    while pos < n and text[pos] in _C_SPACE:
-        pos += 1
-    return pos
 
 
 def _attr(tag: str, name: str) -> str | None:
@@ -180,7 +182,7 @@ def _tag(text: str, pos: int, what: str) -> tuple[str, int]:
 
 def _json_value(raw: str) -> str:
     """A non-string value as compact JSON; text that is not JSON becomes a JSON string."""
-    stripped = raw.strip(_C_SPACE)
+    stripped = raw.strip(C_SPACE)
     if not stripped:
         return "null"
     try:
@@ -218,7 +220,7 @@ def _parse_block(
     pos = text.index(calls_open, start) + len(calls_open)
     calls: list[ParsedToolCall] = []
     while True:
-        pos = _skip_space(text, pos)
+        pos = skip_space(text, pos)
         if text.startswith(calls_close, pos):
             return calls, pos + len(calls_close)
         if not text.startswith(invoke_open, pos):
@@ -231,7 +233,7 @@ def _parse_block(
             raise DsmlError(f"offset {invoke_at}: invoke without a name")
         members: list[str] = []
         while True:
-            pos = _skip_space(text, pos)
+            pos = skip_space(text, pos)
             if text.startswith(invoke_close, pos):
                 pos += len(invoke_close)
                 break
@@ -242,10 +244,10 @@ def _parse_block(
             param = _attr(tag, "name")
             if param is None:
                 raise DsmlError(f"offset {pos}: parameter of {name!r} without a name")
-            if _attr(tag, "string") is None and text.startswith(param_open, _skip_space(text, value_start)):
+            if _attr(tag, "string") is None and text.startswith(param_open, skip_space(text, value_start)):
                 nested, pos = _nested_object(text, value_start, param_open, param_close)
                 members.append(json_string(param) + ":" + nested)
-                pos = _skip_space(text, pos)
+                pos = skip_space(text, pos)
                 if text.startswith(param_close, pos):
                     pos += len(param_close)
                 continue
@@ -258,9 +260,125 @@ def _nested_object(text: str, pos: int, param_open: str, param_close: str) -> tu
     """Parameters written inside a parameter without `string=`: one JSON object of them."""
     members: list[str] = []
     while True:
-        pos = _skip_space(text, pos)
+        pos = skip_space(text, pos)
         if not text.startswith(param_open, pos):
             break
         member, pos = _leaf(text, pos, param_open, param_close)
         members.append(member)
     return "{" + ",".join(members) + "}", pos
+
+
+# -- writing: the canonical block and exact replay (the renderer) -----------------------------
+
+
+def _attr_escape(s: str) -> str:
+    """`attr`: `& < > \"` as entities (names in the canonical form)."""
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def _parse_arguments(arguments: str) -> list[tuple[str, str, bool]] | None:
+    """(key, value, is_string) per member of a JSON object text (`json_args_parse`); None when the
+    text is not an object. String values are unescaped, others minified raw text."""
+    text = cstr(arguments)
+    pos = skip_space(text, 0)
+    if not text.startswith("{", pos):
+        return None
+    pos = skip_space(text, pos + 1)
+    args: list[tuple[str, str, bool]] = []
+    try:
+        while pos < len(text) and text[pos] != "}":
+            key, pos = read_string(text, pos)
+            pos = skip_space(text, pos)
+            if not text.startswith(":", pos):
+                return None
+            pos = skip_space(text, pos + 1)
+            if text.startswith('"', pos):
+                value, pos = read_string(text, pos)
+                args.append((key, value, True))
+            else:
+                end = skip_value(text, pos)
+                args.append((key, minify(text[pos:end]), False))
+                pos = end
+            pos = skip_space(text, pos)
+            if text.startswith(",", pos):
+                pos += 1
+            pos = skip_space(text, pos)
+    except JsonTextError:
+        return None
+    return args if text.startswith("}", pos) else None
+
+
+def dsml_tool_calls(calls: Sequence[ToolCall]) -> str:
+    """Canonical DSML for an assistant's tool calls (`append_dsml_tool_calls_text`)."""
+    if not calls:
+        return ""
+    out = ["\n\n<｜DSML｜tool_calls>\n"]
+    for call in calls:
+        out.append(f'<｜DSML｜invoke name="{_attr_escape(cstr(call.name))}">\n')
+        args = _parse_arguments(call.arguments)
+        if args is None:
+            out.append('<｜DSML｜parameter name="arguments" string="true">')
+            out.append(cstr(call.arguments).replace(DSML_PARAMETER_CLOSE, "&lt;" + DSML_PARAMETER_CLOSE[1:]))
+            out.append(DSML_PARAMETER_CLOSE + "\n")
+        else:
+            for key, value, is_string in args:
+                if is_string:
+                    value = value.replace(DSML_PARAMETER_CLOSE, "&lt;" + DSML_PARAMETER_CLOSE[1:])
+                else:
+                    value = value.replace(DSML_PARAMETER_CLOSE, "\\u003c" + DSML_PARAMETER_CLOSE[1:])
+                flag = "true" if is_string else "false"
+                out.append(
+                    f'<｜DSML｜parameter name="{_attr_escape(key)}" string="{flag}">{value}{DSML_PARAMETER_CLOSE}\n'
+                )
+        out.append("</｜DSML｜invoke>\n")
+    out.append("</｜DSML｜tool_calls>")
+    return "".join(out)
+
+
+def replayed_dsml(calls: Sequence[ToolCall], replay: Replay | None) -> str | None:
+    """The remembered block when every call id maps to one same block (`tool_memory_attach_to_messages`)
+    and that block holds the very calls the client sent back.
+
+    The engine trusts the id alone. Here a block whose calls differ from the client's (other
+    names, other arguments, another count) is not replayed: a client that edits a call, or names
+    an id it did not receive with calls of its own, gets its own calls rendered canonically,
+    never another conversation's sampled bytes.
+    """
+    if replay is None or not calls:
+        return None
+    blocks = {replay(call.id) if call.id else None for call in calls}
+    if len(blocks) != 1:
+        return None
+    block = blocks.pop()
+    return block if block and _block_holds(block, calls) else None
+
+
+def _argument_texts(arguments: str) -> dict[str, str] | None:
+    """Argument name -> value as text (strings as is, other values as sorted compact JSON)."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return {
+        k: v
+        if isinstance(v, str)
+        else json.dumps(v, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+        for k, v in value.items()
+    }
+
+
+def _block_holds(block: str, calls: Sequence[ToolCall]) -> bool:
+    """Whether a DSML block parses to these calls: same names in order and same argument values
+    (compared as text: the legacy block forms do not say which values are strings)."""
+    parsed = parse_tool_calls(block)
+    if parsed.error is not None or len(parsed.calls) != len(calls):
+        return False
+    for sampled, sent in zip(parsed.calls, calls, strict=True):
+        if sampled.name != sent.name:
+            return False
+        ours = _argument_texts(sampled.arguments)
+        if ours is None or ours != _argument_texts(sent.arguments):
+            return False
+    return True

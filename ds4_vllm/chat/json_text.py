@@ -40,7 +40,9 @@ class JsonTextError(ValueError):
 
 
 class RawObject(dict):
-    """A JSON object (later duplicate keys win, as in the engine) with its source text."""
+    """A JSON object with its source text. A repeated key keeps its last value, at the place of its
+    last occurrence: the engine reads members in order, so the last one written wins, also over
+    other keys that set the same thing (`thinking` and `think`, `id` and `tool_use_id`)."""
 
     raw: str
 
@@ -196,6 +198,7 @@ def _read_object(text: str, start: int, depth: int, build: bool) -> tuple[Any, i
                 raise JsonTextError(pos, "expected ':'")
             value, pos = _read(text, skip_space(text, pos + 1), depth + 1, build=build)
             if obj is not None:
+                obj.pop(key, None)  # a repeated key moves to where it was last written
                 obj[key] = value
             pos = skip_space(text, pos)
             if text.startswith("}", pos):

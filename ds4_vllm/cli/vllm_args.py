@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ds4_vllm.model.embedded import DEFAULT_MODEL_NAME
 from ds4_vllm.store.options import (
     NOT_SUPPORTED_YET,
     SETTINGS,
@@ -36,7 +37,6 @@ from ds4_vllm.store.options import (
     setting_for,
 )
 
-DEFAULT_MODEL_NAME = "ds4"
 DEFAULT_CONNECTOR = "ds4disk"
 #: vLLM's default (0) kills the engine at once on SIGTERM; ds4disk needs a few seconds of vLLM's
 #: graceful drain to save running requests as `shutdown` checkpoints. Below Docker's 10 s stop grace.

@@ -5,9 +5,10 @@ for `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses` and `/v1/mes
 ds4 model, every usage object in a JSON body or an SSE event gets the fields of
 `ds4_vllm.serving.usage` (computed from what the engine reported for this HTTP request, see
 `ds4_vllm.serving.request_outputs`), and the connector's internal `kv_transfer_params` key is
-removed. Every finished generation response is also added to the cumulative counters of
-`GET /v1/kv_cache` (`ds4_vllm.serving.kv_cache_route`). Other routes, error responses and
-other models pass through untouched; SSE events without usage keep their exact bytes.
+removed. Every finished generation response is also added to the server's cumulative counters
+(`ServingState.record_usage`, reported by `GET /v1/kv_cache`). Other routes, error responses and
+other models (no ds4 serving state) pass through untouched; SSE events without usage keep their
+exact bytes.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ds4_vllm.serving.kv_cache_route import serving_cache_state
 from ds4_vllm.serving.request_body import post_path
 from ds4_vllm.serving.request_outputs import DISK_TOKENS_PARAM, RequestRecorder, recording
+from ds4_vllm.serving.state import serving_state_of_app
 from ds4_vllm.serving.usage import USAGE_REWRITES, CacheUsage, EngineCounts
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class Ds4UsageMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rewrite = _usage_rewrite(scope)
-        state = serving_cache_state(scope["app"].state) if rewrite is not None and "app" in scope else None
+        state = serving_state_of_app(scope["app"].state) if rewrite is not None and "app" in scope else None
         if rewrite is None or state is None:
             await self.app(scope, receive, send)
             return

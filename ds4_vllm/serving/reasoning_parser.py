@@ -4,7 +4,7 @@ blocks, Responses reasoning items, which vLLM builds from it).
 The ds4 engine's rule (`split_reasoning_content`): a leading `<think>` is dropped and the text
 splits at the first `</think>`; an answer without `</think>` is all content. Whether thinking is on
 is not guessed from request fields: the rendered prompt says it (it ends with `<think>` when on,
-`</think>` when off; `ds4_vllm.chat.render.think_mode_for` decides), so streaming starts in
+`</think>` when off; `ds4_vllm.chat.thinking.resolve_think_mode` decides), so streaming starts in
 reasoning exactly when the prompt's last think tag is `<think>`.
 """
 

@@ -1,4 +1,4 @@
-"""vLLM renderer mode `ds4`: prompts rendered by `ds4_vllm.chat.render`, byte for byte the engine's.
+"""vLLM renderer mode `ds4`: prompts rendered by `ds4_vllm.chat`, byte for byte the engine's.
 
 vLLM hands a renderer parsed messages (and, for /v1/messages and /v1/responses, messages it has
 already converted to chat form). The ds4 engine renders each API's own request JSON, including
@@ -21,9 +21,10 @@ sent compact JSON.
 Offline `LLM.generate` text is tokenized as is (no wrapper): that API takes raw model input.
 
 `ctx_size` (which decides whether max reasoning effort injects its prefix) is vLLM's
-`max_model_len`, the engine's `-c`. Exact replay of sampled tool calls comes from a tool memory
-(`ds4_vllm.serving.tool_replay`); the ids of a prompt that extends a known state's text are that
-state's exact ids plus the rest tokenized (`ds4_vllm.serving.token_memory`).
+`max_model_len`, the engine's `-c`. The renderer owns the API server's `ServingState`
+(`ds4_vllm.serving.state`): exact replay of sampled tool calls comes from its tool memory, and
+the ids of a prompt that extends a known state's text are that state's exact ids plus the rest
+tokenized (its text reuse).
 """
 
 from __future__ import annotations
@@ -36,23 +37,19 @@ from vllm.exceptions import VLLMValidationError
 from vllm.renderers.base import BaseRenderer
 from vllm.utils.async_utils import make_async
 
+from ds4_vllm.chat.anthropic_request import render_anthropic_messages
+from ds4_vllm.chat.chat_request import render_chat_completion
+from ds4_vllm.chat.completion_request import render_completion
+from ds4_vllm.chat.fields import RenderError
 from ds4_vllm.chat.json_text import JsonTextError, parse_json
-from ds4_vllm.chat.render import (
-    RenderedPrompt,
-    RenderError,
-    Replay,
-    completion_prompt_text,
-    render_anthropic_messages,
-    render_chat_completion,
-    render_completion,
-    render_responses,
-)
+from ds4_vllm.chat.responses_request import render_responses
+from ds4_vllm.chat.template import RenderedPrompt, completion_prompt_text
 
-from .request_body import RawRequest, Route, current_raw_request
+from .request_body import RawRequest, Route
 from .request_checks import check_tool_history
-from .token_memory import configure_text_reuse
+from .request_context import current_request
+from .state import ServingState, register_for_tokenizer
 from .tokenizer import Ds4HfTokenizer
-from .tool_replay import ToolReplay
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,20 +82,15 @@ def vllm_thinking_switch(body: Mapping, chat_template_kwargs: Mapping) -> bool |
     return None
 
 
-def with_vllm_thinking(route: Route, body: Mapping, chat_template_kwargs: Mapping) -> Mapping:
-    """The body with vLLM's thinking switch applied where the body itself does not decide.
+def route_thinking_switch(route: Route, body: Mapping, chat_template_kwargs: Mapping) -> bool | None:
+    """The `vllm_switch` a route's rendering gets (`ds4_vllm.chat.thinking`, step 3).
 
-    Fields the engine reads win: `thinking`/`think` (chat), `reasoning` (Responses). Anthropic
-    requests carry no vLLM switch.
+    Anthropic requests get none: vLLM derives that switch from their own `thinking` and
+    `output_config.effort`, which the engine reads with other meanings (an effort is no switch).
     """
-    switch = vllm_thinking_switch(body, chat_template_kwargs)
-    if switch is None:
-        return body
-    if route is Route.CHAT and "thinking" not in body and "think" not in body:
-        return {**body, "thinking": switch}
-    if route is Route.RESPONSES and body.get("reasoning") is None and not switch:
-        return {**body, "reasoning": {"effort": "none"}}
-    return body
+    if route not in (Route.CHAT, Route.RESPONSES):
+        return None
+    return vllm_thinking_switch(body, chat_template_kwargs)
 
 
 def fallback_chat_body(messages: Sequence[Any], params: ChatParams) -> dict[str, Any]:
@@ -109,9 +101,6 @@ def fallback_chat_body(messages: Sequence[Any], params: ChatParams) -> dict[str,
         body["tools"] = kwargs["tools"]
     if kwargs.get("reasoning_effort") is not None:
         body["reasoning_effort"] = kwargs["reasoning_effort"]
-    switch = vllm_thinking_switch(body, kwargs)
-    if switch is not None:
-        body["thinking"] = switch
     return body
 
 
@@ -159,19 +148,19 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
     def __init__(self, config: VllmConfig, tokenizer: Ds4HfTokenizer | None) -> None:
         super().__init__(config, tokenizer)
         self.ctx_size = config.model_config.max_model_len
-        self.replay: Replay = ToolReplay()  # exact replay of sampled tool calls (tool memory)
+        self.serving = ServingState.from_config(config, tokenizer.ds4 if tokenizer is not None else None)
+        if tokenizer is not None:
+            register_for_tokenizer(tokenizer, self.serving)  # the tool parser's way to it
         self._render_async = make_async(self.render_request, executor=self._executor)
         self._warned_no_body = False
-        self.text_reuse = configure_text_reuse(config, tokenizer.ds4) if tokenizer is not None else None
 
     # -- text -------------------------------------------------------------------------------------
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a rendered prompt as the engine builds them: the exact ids of the longest
         known state whose text begins it, then the tokenization of the rest (text-keyed reuse)."""
-        if self.text_reuse is None:
-            return self.get_tokenizer().ds4.encode(text)
-        return self.text_reuse.encode(text)
+        reuse = self.serving.text_reuse
+        return self.get_tokenizer().ds4.encode(text) if reuse is None else reuse.encode(text)
 
     def render_request(
         self,
@@ -183,9 +172,12 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         kwargs = params.chat_template_kwargs or {}
         try:
             if raw is not None and raw.route in _RENDERERS:
-                body = with_vllm_thinking(raw.route, self._parse_body(raw), kwargs)
+                body = self._parse_body(raw)
                 check_tool_history(raw.route, body)
-                rendered = _RENDERERS[raw.route](body, ctx_size=self.ctx_size, replay=self.replay)
+                switch = route_thinking_switch(raw.route, body, kwargs)
+                rendered = _RENDERERS[raw.route](
+                    body, ctx_size=self.ctx_size, replay=self.serving.replay, vllm_switch=switch
+                )
                 if describes(rendered, messages):
                     return rendered
             if raw is None and not self._warned_no_body:
@@ -195,8 +187,10 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
                     "the server runs without --middleware ds4_vllm.serving.request_body.RawRequestBodyMiddleware); "
                     "tool schemas are rendered as compact JSON"
                 )
+            body = fallback_chat_body(messages, params)
+            switch = route_thinking_switch(Route.CHAT, body, kwargs)
             return render_chat_completion(
-                fallback_chat_body(messages, params), ctx_size=self.ctx_size, replay=self.replay
+                body, ctx_size=self.ctx_size, replay=self.serving.replay, vllm_switch=switch
             )
         except RenderError as exc:
             raise VLLMValidationError(str(exc)) from None
@@ -222,7 +216,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         messages: list[ChatCompletionMessageParam],
         params: ChatParams,
     ) -> tuple[list[ConversationMessage], DictPrompt]:
-        return self._prompt(self.render_request(current_raw_request(), messages, params))
+        return self._prompt(self.render_request(current_request().raw, messages, params))
 
     async def render_messages_async(
         self,
@@ -230,7 +224,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         params: ChatParams,
     ) -> tuple[list[ConversationMessage], DictPrompt]:
         # The context variable is read here: the executor's threads do not inherit it.
-        rendered = await self._render_async(current_raw_request(), messages, params)
+        rendered = await self._render_async(current_request().raw, messages, params)
         return self._prompt(rendered)
 
     # -- /v1/completions (§8.2) -------------------------------------------------------------------
@@ -241,7 +235,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         Token-id prompts and embeddings are used as given. A list of text prompts renders each
         one (the engine itself answers only the first).
         """
-        raw = current_raw_request()
+        raw = current_request().raw
         if raw is None or raw.route is not Route.COMPLETION or not isinstance(prompt, dict):
             return prompt
         text = prompt.get("prompt")

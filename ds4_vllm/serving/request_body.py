@@ -4,18 +4,11 @@ The ds4 engine copies tool schemas (and some other values) into the prompt byte 
 renderer needs the bytes the client sent, not vLLM's pydantic models (which re-serialize them).
 vLLM's renderer API only receives parsed messages, so the bytes travel beside it:
 
-1. `RawRequestBodyMiddleware` (installed with `vllm serve --middleware`, which ds4-vllm adds to
-   the command line, see `ds4_vllm.serving.startup`) is a pure ASGI middleware. For a POST to a
-   route in `ROUTES` it reads the whole body, stores it in the context variable `RAW_REQUEST`
-   and hands the same bytes on to vLLM.
-2. FastAPI runs the route handler in the middleware's task, and everything vLLM awaits from it
-   (asyncio tasks, BaseHTTPMiddleware task groups) gets a copy of that context, so
-   `current_raw_request()` inside `Ds4Renderer.render_messages_async` sees exactly the body of
-   the request being rendered, with no shared table and no request-id matching. Concurrent
-   requests each have their own context. The renderer reads it in its async method, before it
-   hands work to a thread (threads do not inherit context variables).
-
-Other ds4 components may read `current_raw_request()` too (e.g. to validate tool-call ids).
+`RawRequestBodyMiddleware` (installed with `vllm serve --middleware`, which ds4-vllm adds to the
+command line, see `ds4_vllm.serving.startup`) is a pure ASGI middleware. For a POST to a route in
+`ROUTES` it reads the whole body, keeps it as the request's `raw` (`current_request().raw`, the
+request's context, `ds4_vllm.serving.request_context`) and hands the same bytes on to vLLM; the
+renderer reads it there (`Ds4Renderer.render_messages_async`).
 
 The middleware also answers two kinds of bad request itself, with a 400 naming the problem:
 
@@ -29,13 +22,14 @@ The middleware also answers two kinds of bad request itself, with a 400 naming t
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import enum
 import json
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from ds4_vllm.serving.request_context import serving_request
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -91,16 +85,6 @@ class RawRequest:
     route: Route
     path: str
     body: bytes
-
-
-RAW_REQUEST: contextvars.ContextVar[RawRequest | None] = contextvars.ContextVar(
-    "ds4_raw_request", default=None
-)
-
-
-def current_raw_request() -> RawRequest | None:
-    """The raw body of the HTTP request being handled in this context, if the middleware saw one."""
-    return RAW_REQUEST.get()
 
 
 def post_path(scope: Scope) -> str | None:
@@ -206,7 +190,7 @@ def clear_parse_errors(send: Send, route: Route | None, body: bytes) -> Send:
 
 
 class RawRequestBodyMiddleware:
-    """ASGI middleware: keeps the raw body of ds4-rendered routes in `RAW_REQUEST` (see module doc)."""
+    """ASGI middleware: keeps the raw body of ds4-rendered routes as the request's `raw` (see module doc)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -234,8 +218,5 @@ class RawRequestBodyMiddleware:
         if route is None:  # a checked-only route: the body is not rendered by ds4
             await self.app(scope, receive_again, send)
             return
-        token = RAW_REQUEST.set(RawRequest(route, scope.get("path", ""), body))
-        try:
+        with serving_request(raw=RawRequest(route, scope.get("path", ""), body)):
             await self.app(scope, receive_again, send)
-        finally:
-            RAW_REQUEST.reset(token)

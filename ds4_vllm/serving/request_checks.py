@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ds4_vllm.chat.render import RenderError
+from ds4_vllm.chat.fields import RenderError
 
 from .request_body import Route
 

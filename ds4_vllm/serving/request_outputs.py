@@ -2,32 +2,29 @@
 
 vLLM's serving code reads `RequestOutput.num_cached_tokens` into usage only for some routes
 and flags, and drops `kv_transfer_params` (where the ds4disk connector says how many prompt
-tokens it loaded from disk) from streams and `/v1/responses`. The ASGI middleware therefore
-opens a `RequestRecorder` for each HTTP request (a context variable, inherited by the tasks
-that serve it), and `record_outputs` wraps the engine client's `generate`
-(`ds4_vllm.vllm_compat` installs it) to note each engine request's latest output there.
-The same wrapper hands each finished sequence's ids to the text-keyed reuse (`token_memory`).
-No request ids are matched: the context variable ties outputs to their HTTP request.
+tokens it loaded from disk) from streams and `/v1/responses`. The usage middleware therefore
+opens a `RequestRecorder` in each HTTP request's context (`recording`, the request's
+`recorder` in `ds4_vllm.serving.request_context`), and `record_outputs` wraps the engine
+client's `generate` (`ds4_vllm.vllm_compat` installs it) to note each engine request's latest
+output there. The same hook hands each finished sequence's exact ids to the text-keyed reuse of
+the engine client's serving state (`SequenceCollector`, `ServingState.remember_sequence`).
+No request ids are matched: the context ties outputs to their HTTP request.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
-from ds4_vllm.serving.token_memory import SequenceCollector
+from ds4_vllm.serving.request_context import current_request, serving_request
+from ds4_vllm.serving.state import serving_state_of_engine
 from ds4_vllm.serving.usage import EngineCounts
 
 #: The `kv_transfer_params` key under which the ds4disk connector reports the prompt tokens it
 #: loaded from disk for a request (on the request's final output).
 DISK_TOKENS_PARAM = "ds4_disk_tokens"
-
-_current: contextvars.ContextVar[RequestRecorder | None] = contextvars.ContextVar(
-    "ds4_request_recorder", default=None
-)
 
 
 class RequestRecorder:
@@ -72,48 +69,78 @@ def disk_tokens_of(kv_transfer_params: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
+@contextlib.contextmanager
+def recording() -> Iterator[RequestRecorder]:
+    """Open a recorder for the HTTP request served inside this block (and tasks started in it)."""
+    recorder = RequestRecorder()
+    with serving_request(recorder=recorder):
+        yield recorder
+
+
+class SequenceCollector:
+    """The full ids of one engine request's completions, from its stream of `RequestOutput`s,
+    handed to `remember` (prompt + output ids) for each completion that finished.
+
+    With `output_kind` DELTA (streaming) each output carries only the new tokens; otherwise
+    each carries all of them so far.
+    """
+
+    def __init__(self, sampling_params: Any, remember: Callable[[list[int]], None]) -> None:
+        kind = getattr(sampling_params, "output_kind", None)
+        self.delta = getattr(kind, "name", None) == "DELTA"
+        self.remember = remember
+        self.completions: dict[int, list[int]] = {}
+        self.finished: dict[int, bool] = {}
+
+    def note(self, output: Any) -> None:
+        for completion in getattr(output, "outputs", None) or ():
+            ids = list(getattr(completion, "token_ids", None) or ())
+            index = getattr(completion, "index", 0)
+            if self.delta:
+                self.completions.setdefault(index, []).extend(ids)
+            else:
+                self.completions[index] = ids
+            self.finished[index] = getattr(completion, "finish_reason", None) is not None
+        if getattr(output, "finished", False):
+            prompt_ids = list(getattr(output, "prompt_token_ids", None) or ())
+            if not prompt_ids:
+                return
+            for index, ids in self.completions.items():
+                if self.finished.get(index, True):
+                    self.remember(prompt_ids + ids)
+
+
 def _sampling_params(args: tuple, kwargs: dict) -> Any:
-    """`generate`'s sampling params, wherever the caller passed them (bound or unbound wrapper)."""
+    """`generate`'s sampling params, wherever the caller passed them."""
     if "sampling_params" in kwargs:
         return kwargs["sampling_params"]
     return next((a for a in args if hasattr(a, "output_kind")), None)
 
 
-@contextlib.contextmanager
-def recording() -> Any:
-    """Open a recorder for the HTTP request served inside this block (and tasks started in it)."""
-    recorder = RequestRecorder()
-    token = _current.set(recorder)
-    try:
-        yield recorder
-    finally:
-        _current.reset(token)
-
-
-def current_recorder() -> RequestRecorder | None:
-    return _current.get()
-
-
 def record_outputs(
     generate: Callable[..., AsyncGenerator[Any, None]],
 ) -> Callable[..., AsyncGenerator[Any, None]]:
-    """Wrap an engine client's `generate` so each output is noted in the current recorder.
+    """Wrap an engine client's `generate` so each output is noted in the current recorder, and
+    each finished sequence in the engine client's serving state.
 
     Outputs pass through unchanged. Closing the wrapper closes vLLM's generator at once, so a
     client that goes away still aborts its engine request.
     """
 
     @functools.wraps(generate)
-    async def wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-        recorder = _current.get()
+    async def wrapper(engine: Any, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        recorder = current_request().recorder
         number = recorder.start() if recorder is not None else 0
-        # Every finished sequence's exact ids, for text-keyed reuse of the next turn.
-        sequence = SequenceCollector(_sampling_params(args, kwargs))
-        async with contextlib.aclosing(generate(*args, **kwargs)) as outputs:
+        serving = serving_state_of_engine(engine)
+        sequence = (
+            SequenceCollector(_sampling_params(args, kwargs), serving.remember_sequence) if serving else None
+        )
+        async with contextlib.aclosing(generate(engine, *args, **kwargs)) as outputs:
             async for output in outputs:
                 if recorder is not None:
                     recorder.note(number, output)
-                sequence.note(output)
+                if sequence is not None:
+                    sequence.note(output)
                 yield output
 
     return wrapper

@@ -76,7 +76,7 @@ def select_tokenizer_mode(model_config: Any) -> bool:
 
 def is_ds4_model_arg(model: str | None, config_format: str | None = None) -> bool:
     """Whether a `vllm serve` model argument names a ds4 model, judged from local files only."""
-    from ds4_vllm import EMBEDDED_GGUF_MODELS
+    from ds4_vllm.model.embedded import EMBEDDED_GGUF_MODELS
 
     if config_format == CONFIG_FORMAT:
         return True

@@ -5,7 +5,8 @@ Parsing is ds4's (`ds4_vllm.chat.dsml`): string values lose the renderer's entit
 `&amp;`, ...), non-string values are JSON, a malformed block stays content. Each call's id is
 derived from the request's secret seed (`tool_replay.call_ids_for`), so the ds4disk connector
 writes the same id into the checkpoint that holds the block; the id and the exact block go into
-the tool memory for exact replay.
+the server's tool memory for exact replay (`ServingState`, reached through the renderer's
+tokenizer, which vLLM builds this parser with).
 
 Streaming sends content as it comes, holding back only what could be the start of a block (and
 the whitespace before it, which the block absorbs), and sends the calls, ids, names and whole
@@ -28,7 +29,8 @@ from vllm.entrypoints.generate.base.protocol import (
 from vllm.tool_parsers.abstract_tool_parser import ToolParser
 
 from ds4_vllm.chat.dsml import BLOCK_STARTS, find_block_start, parse_tool_calls, tool_search_start
-from ds4_vllm.serving.tool_replay import attach_tool_transfer_params, call_ids_for, remember_calls
+from ds4_vllm.serving.state import serving_state_for_tokenizer
+from ds4_vllm.serving.tool_replay import call_ids_for
 
 _C_SPACE = " \t\n\v\f\r"
 _BLOCK_ENDS = tuple("</" + start[1:] for start in BLOCK_STARTS)
@@ -62,6 +64,7 @@ class Ds4ToolParser(ToolParser):
 
     def __init__(self, tokenizer: Any, tools: list | None = None) -> None:
         super().__init__(tokenizer, tools)
+        self.serving = serving_state_for_tokenizer(tokenizer)
         self._request: Any = None
         self._text = ""
         self._sent = 0  # content characters sent
@@ -70,7 +73,7 @@ class Ds4ToolParser(ToolParser):
 
     def adjust_request(self, request: Any) -> Any:
         keep_special_tokens(request)
-        attach_tool_transfer_params(request)
+        self.serving.attach_tool_transfer_params(request)
         return request
 
     # ------------------------------------------------------------------ whole answers
@@ -82,7 +85,7 @@ class Ds4ToolParser(ToolParser):
                 tools_called=False, tool_calls=[], content=parsed.content or None
             )
         ids = call_ids_for(request, parsed.raw_dsml, len(parsed.calls))
-        remember_calls(ids, parsed.raw_dsml)
+        self.serving.tool_memory.remember_calls(ids, parsed.raw_dsml)
         calls = [
             ToolCall(id=i, function=FunctionCall(id=i, name=c.name, arguments=c.arguments))
             for i, c in zip(ids, parsed.calls, strict=True)
@@ -141,7 +144,7 @@ class Ds4ToolParser(ToolParser):
             return self._content_upto(len(self._text))
         self._done = True
         ids = call_ids_for(self._request, parsed.raw_dsml, len(parsed.calls))
-        remember_calls(ids, parsed.raw_dsml)
+        self.serving.tool_memory.remember_calls(ids, parsed.raw_dsml)
         deltas = []
         for index, (tool_id, call) in enumerate(zip(ids, parsed.calls, strict=True)):
             deltas.append(

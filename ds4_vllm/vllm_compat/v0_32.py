@@ -26,7 +26,8 @@
    ds4disk connector says how many tokens came from disk, for streams and `/v1/responses`).
    We wrap `AsyncLLM.generate` in the API server so each output is also noted for the HTTP
    request being served (`ds4_vllm.serving.request_outputs`); the `--middleware` that
-   `vllm serve` gets from the argv rewrite writes the usage fields from it.
+   `vllm serve` gets from the argv rewrite writes the usage fields from it. The same hook feeds
+   each finished sequence to the text-keyed reuse of the engine client's serving state.
 6. `GET /v1/kv_cache` with no flags. vLLM loads `vllm.endpoint_plugins` only when
    `VLLM_PLUGINS` names them. When `VLLM_PLUGINS` is unset we add ds4's own endpoint plugin
    (and only it) to `load_endpoint_plugins`' answer; when it is set, vLLM's rule applies and
@@ -49,8 +50,7 @@ from typing import Any
 PATCHED_NAMES: dict[str, str] = {
     "vllm.engine.arg_utils.EngineArgs.create_engine_config": (
         "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config, and "
-        "selects tokenizer mode `ds4` for Ds4ForCausalLM in the config it returns, and sizes and "
-        "loads the API server's tool-call memory from it"
+        "selects tokenizer mode `ds4` for Ds4ForCausalLM in the config it returns"
     ),
     "vllm.engine.arg_utils.get_model_path": (
         "module global replaced: EngineArgs.__post_init__ calls it under HF_HUB_OFFLINE=1"
@@ -69,7 +69,8 @@ PATCHED_NAMES: dict[str, str] = {
         "module global replaced: the tokenizer loader reads transformers' DeepSeek V4 dirs as ds4"
     ),
     "vllm.v1.engine.async_llm.AsyncLLM.generate": (
-        "wrapped: notes each RequestOutput for the HTTP request being served (usage fields)"
+        "wrapped: notes each RequestOutput for the HTTP request being served (usage fields) "
+        "and each finished sequence for text-keyed reuse"
     ),
     "vllm.plugins.load_endpoint_plugins": (
         "module global replaced: adds ds4's /v1/kv_cache plugin when VLLM_PLUGINS is unset"
@@ -138,20 +139,17 @@ def resolve_default_model_name() -> None:
 
     @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from ds4_vllm import resolve_default_model
+        from ds4_vllm.model.embedded import resolve_default_model
         from ds4_vllm.serving.startup import select_tokenizer_mode
 
         resolve_default_model(self)
         config = original_create(self, *args, **kwargs)
-        from ds4_vllm.serving.tool_replay import configure_tool_memory
-
-        configure_tool_memory(config)  # the API server builds its config here; ids survive restarts
         select_tokenizer_mode(config.model_config)
         return config
 
     @functools.wraps(original_get_model_path)
     def get_model_path(model: Any, revision: str | None = None) -> Any:
-        from ds4_vllm import embedded_model_path
+        from ds4_vllm.model.embedded import embedded_model_path
 
         return embedded_model_path(model) or original_get_model_path(model, revision)
 

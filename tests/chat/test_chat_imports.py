@@ -10,7 +10,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 CODE = """
 import sys
-import ds4_vllm.chat.render, ds4_vllm.chat.tokenizer, ds4_vllm.chat.json_text
+import ds4_vllm.chat.chat_request, ds4_vllm.chat.anthropic_request, ds4_vllm.chat.responses_request
+import ds4_vllm.chat.completion_request, ds4_vllm.chat.tokenizer, ds4_vllm.chat.json_text
 from ds4_vllm.chat.tokenizer import default_tokenizer
 default_tokenizer().encode("x")
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers', 'tokenizers'))

@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 
 from ds4_vllm.chat.dsml import (
     ParsedToolCall,
+    dsml_tool_calls,
     dsml_unescape,
     find_block_start,
     parse_generated,
     parse_tool_calls,
     split_reasoning,
 )
-from ds4_vllm.chat.render import ToolCall, dsml_tool_calls
+from ds4_vllm.chat.messages import ToolCall
 
 P_CLOSE = "</｜DSML｜parameter>"
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ds4_vllm.chat.render import RenderedPrompt, render_chat_completion, render_responses
+from ds4_vllm.chat.chat_request import render_chat_completion
+from ds4_vllm.chat.responses_request import render_responses
+from ds4_vllm.chat.template import RenderedPrompt
 from ds4_vllm.chat.tokenizer import EOS, THINK_END, THINK_START, default_tokenizer
 from ds4_vllm.kvc import open_checkpoint
 

@@ -9,14 +9,12 @@ import json
 
 import pytest
 
-from ds4_vllm.chat.render import (
-    RenderError,
-    ThinkMode,
-    render_anthropic_messages,
-    render_chat_completion,
-    render_completion,
-    render_responses,
-)
+from ds4_vllm.chat.anthropic_request import render_anthropic_messages
+from ds4_vllm.chat.chat_request import render_chat_completion
+from ds4_vllm.chat.completion_request import render_completion
+from ds4_vllm.chat.fields import RenderError
+from ds4_vllm.chat.responses_request import render_responses
+from ds4_vllm.chat.thinking import ThinkMode
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"

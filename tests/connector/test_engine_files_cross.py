@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4_vllm.chat.render import render_chat_completion, render_responses
+from ds4_vllm.chat.chat_request import render_chat_completion
+from ds4_vllm.chat.responses_request import render_responses
 from ds4_vllm.chat.tokenizer import default_tokenizer
 from ds4_vllm.kvc import open_checkpoint, text_sha1
 from ds4_vllm.model.kv_layout import frontier_tokens

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from ds4_vllm.chat.render import render_chat_completion
+from ds4_vllm.chat.chat_request import render_chat_completion
 from ds4_vllm.chat.tokenizer import default_tokenizer
 from tests.e2e.server_process import ServerProcess
 from tests.serving.forced_dsml import forced

@@ -10,7 +10,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from ds4_vllm.serving.kv_cache_route import DiskCacheView, Ds4KvCacheEndpoint, ServingCacheState
+from ds4_vllm.serving.kv_cache_route import Ds4KvCacheEndpoint
+from ds4_vllm.serving.state import DiskCacheView, ServingState
 from ds4_vllm.serving.usage import CacheUsage
 from ds4_vllm.serving.usage_counters import COUNTERS_FILE, UsageCounters
 
@@ -18,11 +19,11 @@ ENGINE_FILES = Path("/work/shared/testdata/ds4-engine/q2")
 BUDGET = 64 << 20
 
 
-def app_with(state: ServingCacheState | None, architectures=("Ds4ForCausalLM",)) -> TestClient:
+def app_with(state: ServingState | None) -> TestClient:
+    """An app whose engine client's renderer is a ds4 one with `state`, or (None) another model's."""
     app = FastAPI()
-    app.state.vllm_config = SimpleNamespace(model_config=SimpleNamespace(architectures=architectures))
-    if state is not None:
-        app.state.ds4_cache_state = state
+    renderer = SimpleNamespace() if state is None else SimpleNamespace(serving=state)
+    app.state.engine_client = SimpleNamespace(renderer=renderer)
     Ds4KvCacheEndpoint().attach_router(app)
     return TestClient(app)
 
@@ -44,8 +45,9 @@ def test_route_reports_the_directory_and_the_counters(disk_dir) -> None:
     counters = UsageCounters(disk_dir)
     counters.add(CacheUsage.of(1000, 900, 600))
     counters.add(CacheUsage.of(200, 0, 0))
-    state = ServingCacheState(
-        DiskCacheView(str(disk_dir), BUDGET, CheckpointIndex(disk_dir, keep_text=False)), counters
+    state = ServingState(
+        disk=DiskCacheView(str(disk_dir), BUDGET, CheckpointIndex(disk_dir, keep_text=False)),
+        counters=counters,
     )
 
     report = app_with(state).get("/v1/kv_cache").json()
@@ -73,7 +75,7 @@ def test_route_reports_the_directory_and_the_counters(disk_dir) -> None:
 
 
 def test_without_ds4disk_the_route_answers_with_in_memory_counters() -> None:
-    report = app_with(ServingCacheState(None, UsageCounters(None))).get("/v1/kv_cache").json()
+    report = app_with(ServingState(counters=UsageCounters(None))).get("/v1/kv_cache").json()
     assert (report["disk_cache"], report["directory"], report["entries"], report["bytes_used"]) == (
         False,
         None,
@@ -84,7 +86,7 @@ def test_without_ds4disk_the_route_answers_with_in_memory_counters() -> None:
 
 
 def test_other_models_get_a_clear_404() -> None:
-    response = app_with(None, architectures=("LlamaForCausalLM",)).get("/v1/kv_cache")
+    response = app_with(None).get("/v1/kv_cache")
     assert response.status_code == 404
     assert "not a ds4 model" in response.json()["error"]["message"]
 

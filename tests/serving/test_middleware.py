@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from ds4_vllm.connector.scheduler import DISK_TOKENS_PARAM as CONNECTOR_PARAM
-from ds4_vllm.serving.kv_cache_route import ServingCacheState
 from ds4_vllm.serving.middleware import Ds4UsageMiddleware
 from ds4_vllm.serving.request_outputs import DISK_TOKENS_PARAM, record_outputs, recording
+from ds4_vllm.serving.state import ServingState
 from ds4_vllm.serving.usage_counters import UsageCounters, UsageTotals
 
 PROMPT = list(range(604))
@@ -59,11 +59,11 @@ def make_app(chunks_of, status: int = 200, content_type: bytes = b"application/j
 
 def call(app, path: str, architectures=("Ds4ForCausalLM",)):
     counters = UsageCounters(None)
-    state = SimpleNamespace(
-        vllm_config=SimpleNamespace(model_config=SimpleNamespace(architectures=architectures))
-    )
+    # vLLM's app state: the engine client, whose renderer is the ds4 one (with the state) for a ds4 model
+    renderer = SimpleNamespace()
     if "Ds4ForCausalLM" in architectures:
-        state.ds4_cache_state = ServingCacheState(None, counters)
+        renderer.serving = ServingState(counters=counters)
+    state = SimpleNamespace(engine_client=SimpleNamespace(renderer=renderer))
     scope = {"type": "http", "method": "POST", "path": path, "app": SimpleNamespace(state=state)}
     sent: list[dict] = []
 

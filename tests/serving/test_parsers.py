@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.parser.parser_manager import ParserManager
 
-from ds4_vllm.chat.render import ToolCall as RenderCall
-from ds4_vllm.chat.render import render_chat_completion
+from ds4_vllm.chat.chat_request import render_chat_completion
+from ds4_vllm.chat.messages import ToolCall as RenderCall
 from ds4_vllm.chat.tokenizer import THINK_END, THINK_START, default_tokenizer
 from ds4_vllm.serving.parsers import register_parsers
-from ds4_vllm.serving.tool_replay import TOOL_IDS_KEY, TOOL_MAP_KEY, ToolReplay, set_tool_memory
+from ds4_vllm.serving.state import ServingState, register_for_tokenizer, serving_state_for_tokenizer
+from ds4_vllm.serving.tool_replay import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.store.tool_memory import ToolMemory, tool_call_id
 
 P = "</｜DSML｜parameter>"
@@ -54,9 +55,14 @@ def parser_cls():
     )
 
 
+def fresh_memory(tokenizer, max_ids: int = 100_000) -> ToolMemory:
+    """A new server state for the parsers built from `tokenizer`, as a renderer registers its own."""
+    return register_for_tokenizer(tokenizer, ServingState(tool_memory=ToolMemory(max_ids))).tool_memory
+
+
 @pytest.fixture
-def memory() -> ToolMemory:
-    return set_tool_memory(ToolMemory(max_ids=50))
+def memory(tokenizer) -> ToolMemory:
+    return fresh_memory(tokenizer, max_ids=50)
 
 
 def _request(messages: list | None = None, **kw) -> ChatCompletionRequest:
@@ -128,7 +134,7 @@ def _stream(parser_cls, tokenizer, request, text: str, cuts: list[int], *, think
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_streaming_split_anywhere_gives_the_whole_answer(parser_cls, tokenizer, data) -> None:
-    set_tool_memory(ToolMemory())
+    fresh_memory(tokenizer)
     thinking = data.draw(st.booleans())
     text = (f"a thought {THINK_END}" if thinking else "") + ANSWER
     cuts = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=12)))
@@ -185,7 +191,7 @@ def test_replayed_ids_render_the_sampled_bytes_and_travel_to_the_connector(
         {"role": "tool", "tool_call_id": calls[1].id, "content": "ok"},
     ]
     body = {"messages": history, "tools": TOOLS, "thinking": {"type": "disabled"}}
-    replay = ToolReplay()
+    replay = serving_state_for_tokenizer(tokenizer).replay
     text = render_chat_completion(body, ctx_size=4096, replay=replay).text
     assert "I will look." + BLOCK + "<｜end▁of▁sentence｜>" in text  # byte extension of the sampled answer
     canonical = render_chat_completion(body, ctx_size=4096).text
@@ -194,9 +200,7 @@ def test_replayed_ids_render_the_sampled_bytes_and_travel_to_the_connector(
     # an id that is not exactly known falls back to canonical rendering
     wrong = json.loads(json.dumps(history))
     wrong[1]["tool_calls"][0]["id"] = calls[0].id.upper()
-    assert (
-        render_chat_completion({**body, "messages": wrong}, ctx_size=4096, replay=ToolReplay()).text != text
-    )
+    assert render_chat_completion({**body, "messages": wrong}, ctx_size=4096, replay=replay).text != text
 
     # the next request carries the history's blocks to the connector, keyed by id
     follow = _request(messages=history)
@@ -211,10 +215,10 @@ def test_render_of_remembered_single_call_block_is_exact() -> None:
     )
     memory = ToolMemory()
     memory.remember("call_1", block)
-    from ds4_vllm.chat.render import replayed_dsml
+    from ds4_vllm.chat.dsml import replayed_dsml
 
-    assert replayed_dsml([RenderCall("call_1", "f", "{}")], ToolReplay(memory)) == block
-    assert replayed_dsml([RenderCall("call_2", "f", "{}")], ToolReplay(memory)) is None
+    assert replayed_dsml([RenderCall("call_1", "f", "{}")], ServingState(tool_memory=memory).replay) == block
+    assert replayed_dsml([RenderCall("call_2", "f", "{}")], ServingState(tool_memory=memory).replay) is None
 
 
 def test_tool_parser_alone_streams_the_same(tokenizer, memory) -> None:

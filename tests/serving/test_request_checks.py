@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds4_vllm.chat.render import RenderError
+from ds4_vllm.chat.fields import RenderError
 from ds4_vllm.serving.request_body import Route
 from ds4_vllm.serving.request_checks import check_tool_history
 

@@ -4,7 +4,7 @@ routes, from the bytes the `openai` and `anthropic` SDKs send.
 What the server built is read back from the server: `prompt_token_ids` (chat and completions with
 `return_token_ids`), the Responses `input_messages` (`enable_response_messages`), and for
 /v1/messages the render endpoint of the same body (`--enable-scale-out`) plus the usage the real
-route reports. Each is compared with `ds4_vllm.chat.render` of the captured request bytes
+route reports. Each is compared with `ds4_vllm.chat`'s rendering of the captured request bytes
 (text byte for byte, ids as the engine's tokenizer cuts them), and for the engine's own requests
 (shared/testdata/ds4-engine/manifest.json) with the engine's checkpoint texts and token counts.
 """
@@ -18,13 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ds4_vllm.chat.render import (
-    RenderedPrompt,
-    render_anthropic_messages,
-    render_chat_completion,
-    render_completion,
-    render_responses,
-)
+from ds4_vllm.chat.anthropic_request import render_anthropic_messages
+from ds4_vllm.chat.chat_request import render_chat_completion
+from ds4_vllm.chat.completion_request import render_completion
+from ds4_vllm.chat.responses_request import render_responses
+from ds4_vllm.chat.template import RenderedPrompt
 from ds4_vllm.chat.tokenizer import ASSISTANT, THINK_END, default_tokenizer
 from tests.e2e.server_process import ServerProcess
 

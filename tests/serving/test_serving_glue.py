@@ -10,16 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from ds4_vllm.chat.render import ThinkMode, render_chat_completion, render_responses
+from ds4_vllm.chat.chat_request import render_chat_completion
+from ds4_vllm.chat.responses_request import render_responses
+from ds4_vllm.chat.thinking import ThinkMode
 from ds4_vllm.chat.tokenizer import default_tokenizer
 from ds4_vllm.cli.vllm_args import rewrite_serve_argv
 from ds4_vllm.serving.request_body import (
     RawRequest,
     RawRequestBodyMiddleware,
     Route,
-    current_raw_request,
     route_for,
 )
+from ds4_vllm.serving.request_context import current_request
 from ds4_vllm.serving.startup import (
     RAW_BODY_MIDDLEWARE,
     USAGE_MIDDLEWARE,
@@ -57,7 +59,7 @@ def _run_middleware(scope: dict, chunks: list[bytes]) -> tuple[RawRequest | None
     seen: dict = {}
 
     async def app(scope, receive, send):
-        seen["raw"] = current_raw_request()
+        seen["raw"] = current_request().raw
         body = b""
         while True:
             message = await receive()
@@ -88,7 +90,7 @@ def test_middleware_hands_the_exact_body_to_the_renderer_and_to_vllm() -> None:
     assert raw is not None and raw.route is Route.CHAT and raw.body == b"".join(chunks)
     assert body == b"".join(chunks)
     assert after == [{"type": "http.disconnect"}]
-    assert current_raw_request() is None  # reset when the request is done
+    assert current_request().raw is None  # reset when the request is done
 
 
 def test_middleware_leaves_other_requests_alone() -> None:
@@ -97,7 +99,7 @@ def test_middleware_leaves_other_requests_alone() -> None:
 
 
 def test_a_body_renders_only_the_conversation_it_describes() -> None:
-    from ds4_vllm.chat.render import render_anthropic_messages
+    from ds4_vllm.chat.anthropic_request import render_anthropic_messages
 
     describes = _renderer_module().describes
     body = {
@@ -151,18 +153,21 @@ def test_vllm_thinking_switch(body: dict, kwargs: dict, expected: bool | None) -
 
 
 def test_vllm_switch_turns_thinking_off_only_where_the_body_is_silent() -> None:
-    mod = _renderer_module()
+    switch = _renderer_module().route_thinking_switch
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    off = mod.with_vllm_thinking(Route.CHAT, chat, {"thinking": False})
-    assert render_chat_completion(off, ctx_size=4096).think_mode is ThinkMode.NONE
-    own = mod.with_vllm_thinking(Route.CHAT, {**chat, "think": True}, {"thinking": False})
-    assert render_chat_completion(own, ctx_size=4096).think_mode is ThinkMode.HIGH
+    off = switch(Route.CHAT, chat, {"thinking": False})
+    assert render_chat_completion(chat, ctx_size=4096, vllm_switch=off).think_mode is ThinkMode.NONE
+    own = {**chat, "think": True}
+    off = switch(Route.CHAT, own, {"thinking": False})
+    assert render_chat_completion(own, ctx_size=4096, vllm_switch=off).think_mode is ThinkMode.HIGH
     responses = {"input": "hi"}
-    off = mod.with_vllm_thinking(Route.RESPONSES, responses, {"enable_thinking": False})
-    assert render_responses(off, ctx_size=4096).think_mode is ThinkMode.NONE
+    off = switch(Route.RESPONSES, responses, {"enable_thinking": False})
+    assert render_responses(responses, ctx_size=4096, vllm_switch=off).think_mode is ThinkMode.NONE
     own = {**responses, "reasoning": {"effort": "high"}}
-    kept = mod.with_vllm_thinking(Route.RESPONSES, own, {"enable_thinking": False})
-    assert render_responses(kept, ctx_size=4096).think_mode is ThinkMode.HIGH
+    off = switch(Route.RESPONSES, own, {"enable_thinking": False})
+    assert render_responses(own, ctx_size=4096, vllm_switch=off).think_mode is ThinkMode.HIGH
+    anthropic = {"messages": [{"role": "user", "content": "hi"}], "output_config": {"effort": "high"}}
+    assert switch(Route.ANTHROPIC, anthropic, {"enable_thinking": True}) is None  # vLLM's, from the effort
 
 
 def test_fallback_body_renders_vllm_tools_as_compact_json() -> None:
