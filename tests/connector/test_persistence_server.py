@@ -65,14 +65,13 @@ def stream_until_sigterm(server: ServerProcess, prompt: list[int]) -> tuple[int,
 
     Returns (tokens streamed before the stream ended, the server's exit code).
     """
-    import httpx
     import psutil
-    from openai import OpenAI
+    from openai import OpenAI, Timeout
 
     # vLLM's API server waits for open connections before it exits, and a stream whose engine
     # was stopped never ends. The client hangs up once the engine core has exited (its shutdown
     # save done), as an agent would give up on a dead stream; the read timeout is the fallback.
-    timeout = httpx.Timeout(300.0, read=60.0)
+    timeout = Timeout(300.0, read=60.0)  # the SDK's own type: openai 3 is built on httpx2
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=timeout, max_retries=0)
     streamed = 0
     stream = client.completions.create(
