@@ -97,3 +97,48 @@ def test_resolve_name_reports_missing_attribute() -> None:
         resolve_name("vllm.engine.arg_utils.EngineArgs.no_such_method")
     with pytest.raises(ModuleNotFoundError):
         resolve_name("no_such_package_ds4.x")
+
+
+def test_runner_still_rewinds_discarded_rows_with_set_offset() -> None:
+    """Item 8 of v0_32 works around exactly this code: if vLLM changes it, revisit the patch."""
+    import inspect
+
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler, random_sample
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    bookkeeping = inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    assert "self.discard_request_mask.np[:num_reqs]" in bookkeeping
+    assert "self.input_batch.generators.get(int(i))" in bookkeeping
+    assert "gen.set_offset(gen.get_offset() - 4)" in bookkeeping
+    assert "self._bookkeeping_sync(" in inspect.getsource(GPUModelRunner.sample_tokens)
+    # The samplers draw per-request noise only for the rows present in `generators`.
+    for sampler in (random_sample, TopKTopPSampler.forward_cpu):
+        assert "generators.items()" in inspect.getsource(sampler)
+    with pytest.raises(RuntimeError, match="offset"):
+        import torch
+
+        torch.Generator().set_offset(0)  # why the rewind cannot run on the CPU
+
+
+def test_discarded_rows_lend_out_their_generators() -> None:
+    """Rows whose token is thrown away sample without their generator; the others keep theirs."""
+    import numpy as np
+    import torch
+
+    kept, partial = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    runner = types.SimpleNamespace(
+        execute_model_state=object(),
+        discard_request_mask=types.SimpleNamespace(np=np.array([False, True, True, True])),
+        input_batch=types.SimpleNamespace(num_reqs=3, generators={0: kept, 1: partial}),
+    )
+    assert INSTALLED._take_discarded_generators(runner) == {1: partial}
+    assert runner.input_batch.generators == {0: kept}
+    runner.execute_model_state = None  # no step in flight: nothing is sampled, nothing taken
+    assert INSTALLED._take_discarded_generators(runner) == {}
+
+
+def test_sample_tokens_is_wrapped_once_the_plugin_loads() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    INSTALLED.apply()
+    assert getattr(GPUModelRunner.sample_tokens, "_ds4_patched", False)

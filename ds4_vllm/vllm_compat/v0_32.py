@@ -37,6 +37,16 @@
    `tokenizer_mode` "ds4" (our registered tokenizer and renderer) when it is "auto" and the
    architecture is ours. The renderer overrides `BaseRenderer._render_prompt_async` to wrap
    `/v1/completions` text prompts as the ds4 engine does (no public hook renders them).
+8. Seeded sampling over a chunked prefill. Every scheduled row is sampled, also a request whose
+   prefill is only partly done; its token is discarded, and `_bookkeeping_sync` then rewinds the
+   request's generator with `generator.set_offset(offset - 4)`, which only CUDA generators
+   implement: on the CPU a request with `seed` and a prompt longer than one chunk killed the
+   engine ("CPU Generator does not use offset"). We wrap `GPUModelRunner.sample_tokens` so the
+   discarded rows' generators are taken out of the batch's `generators` while that step samples
+   (those rows draw from the global generator; their tokens are thrown away) and put back
+   after. The per-request generator then advances only for tokens the request keeps, on every
+   device, so the same seed gives the same tokens whatever the chunk size, and a prompt
+   restored from disk (fewer prefill chunks) samples what the cold run samples.
 """
 
 from __future__ import annotations
@@ -77,6 +87,12 @@ PATCHED_NAMES: dict[str, str] = {
     ),
     "vllm.renderers.base.BaseRenderer._render_prompt_async": (
         "relied on: Ds4Renderer overrides it (and render_prompt) to wrap /v1/completions prompts"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens": (
+        "wrapped: hides the generators of rows whose sampled token is discarded (see item 8)"
+    ),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync": (
+        "relied on: rewinds discarded rows' generators with CUDA-only set_offset (see item 8)"
     ),
 }
 
@@ -125,6 +141,7 @@ def apply() -> None:
     read_deepseek_v4_tokenizer_dirs_as_ds4()
     record_request_outputs()
     load_ds4_endpoint_plugin_by_default()
+    keep_generators_of_discarded_rows()
 
 
 def resolve_default_model_name() -> None:
@@ -242,3 +259,36 @@ def load_ds4_endpoint_plugin_by_default() -> None:
 
     setattr(load_endpoint_plugins, _PATCHED_MARK, True)
     plugins.load_endpoint_plugins = load_endpoint_plugins
+
+
+def keep_generators_of_discarded_rows() -> None:
+    """Sample partial-prefill rows without their request's generator (see item 8)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner.sample_tokens, _PATCHED_MARK, False):
+        return
+    original = GPUModelRunner.sample_tokens
+
+    @functools.wraps(original)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hidden = _take_discarded_generators(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(hidden)
+
+    setattr(sample_tokens, _PATCHED_MARK, True)
+    GPUModelRunner.sample_tokens = sample_tokens  # type: ignore[method-assign]
+
+
+def _take_discarded_generators(runner: Any) -> dict[int, Any]:
+    """Remove and return the generators of this step's rows whose sampled token is discarded."""
+    if runner.execute_model_state is None:
+        return {}
+    batch = runner.input_batch
+    if not batch.generators:
+        return {}
+    import numpy as np
+
+    discarded = np.flatnonzero(runner.discard_request_mask.np[: batch.num_reqs])
+    return {int(i): batch.generators.pop(int(i)) for i in discarded if int(i) in batch.generators}
