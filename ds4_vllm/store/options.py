@@ -264,23 +264,18 @@ SETTINGS: dict[str, Setting] = {
     "kv_cache_lease_s": Setting("lease_s", int, minimum=1),
 }
 
-#: ds4 settings this plugin does not implement yet, with why: named clearly instead of "unknown".
-NOT_SUPPORTED_YET: dict[str, str] = {}
-
 #: Every key `from_extra_config` accepts.
 SETTING_KEYS = tuple(SETTINGS)
 
 
 def setting_for(key: str, *, spelled: str | None = None) -> Setting:
-    """The setting of a normalized key; unknown or not-yet-supported keys raise StoreConfigError.
+    """The setting of a normalized key; an unknown key raises StoreConfigError (with a close match).
 
     `spelled` is the key as the user wrote it, for the message.
     """
     setting = SETTINGS.get(key)
     if setting is not None:
         return setting
-    if key in NOT_SUPPORTED_YET:
-        raise StoreConfigError(f"{flag_names(key)}: not supported yet: {NOT_SUPPORTED_YET[key]}")
     close = difflib.get_close_matches(key, list(SETTINGS), n=1)
     hint = f"; did you mean {flag_names(close[0])}?" if close else ""
     raise StoreConfigError(f"unknown disk-cache setting {spelled or key!r}{hint}")

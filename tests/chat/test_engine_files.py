@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -19,13 +18,12 @@ from ds4_vllm.chat.responses_request import render_responses
 from ds4_vllm.chat.template import RenderedPrompt
 from ds4_vllm.chat.tokenizer import EOS, THINK_END, THINK_START, default_tokenizer
 from ds4_vllm.kvc import open_checkpoint
+from tests.shared_data import ENGINE_TESTDATA, require
 
-TESTDATA = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "ds4-engine"
+TESTDATA = ENGINE_TESTDATA
 CTX = {"q2": 16384, "q4": 20000, "rewrite": 20000}  # the -c of each run (manifest "runs")
 
-pytestmark = pytest.mark.skipif(
-    not (TESTDATA / "manifest.json").is_file(), reason="shared/testdata/ds4-engine is not present"
-)
+require(TESTDATA / "manifest.json", "the ds4 engine's test files")
 
 
 class EngineFile:

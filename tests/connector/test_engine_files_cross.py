@@ -40,13 +40,13 @@ from ds4_vllm.chat.tokenizer import default_tokenizer
 from ds4_vllm.kvc import open_checkpoint, text_sha1
 from ds4_vllm.model.kv_layout import frontier_tokens
 from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, shutdown_engine
+from tests.shared_data import ENGINE_TESTDATA, TINY_GGUF_MAKE_SH, require
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 #: DS4_ENGINE_TESTDATA points at another copy of the engine files (e.g. one with a file restored).
-TESTDATA = Path(os.environ.get("DS4_ENGINE_TESTDATA", SHARED / "testdata" / "ds4-engine"))
-MAKE_SH = SHARED / "tools" / "ds4-tiny-gguf" / "make.sh"
+TESTDATA = Path(os.environ.get("DS4_ENGINE_TESTDATA", ENGINE_TESTDATA))
+MAKE_SH = TINY_GGUF_MAKE_SH
 CTX = {"q2": 16384, "q4": 20000}  # the -c of the engine's runs (manifest "runs")
 NOPE_DIMS = 64  # head_dim 128 - n_rot 64: the dims that take the FP8 round trip
 EOS_ID = 1
@@ -131,8 +131,8 @@ TIE_GAP = 0.6  # Q2 repeats R1's body
 
 @pytest.fixture(scope="module")
 def manifest() -> dict:
-    if not (TESTDATA / "manifest.json").is_file() or not MAKE_SH.is_file():
-        pytest.skip("shared/testdata/ds4-engine or shared/tools/ds4-tiny-gguf is not present")
+    require(TESTDATA / "manifest.json", "the ds4 engine's test files")
+    require(MAKE_SH, "the tiny GGUF generator of the ds4 engine runs")
     return json.loads((TESTDATA / "manifest.json").read_text())
 
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from ds4_vllm.kvc import (
     KvcHeader,
@@ -21,10 +20,11 @@ from ds4_vllm.kvc import (
     compute_layout,
     default_counts,
 )
+from tests.shared_data import ENGINE_TESTDATA, require
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: CI clones the repo with shared/ beside it: <root>/../shared/testdata/ds4-engine.
-TESTDATA = REPO_ROOT.parent / "shared" / "testdata" / "ds4-engine"
+TESTDATA = ENGINE_TESTDATA
 
 #: The tiny model of the real files (6 layers, ratios 0,0,4,128,4,128).
 TINY = ModelDims(n_layer=6, head_dim=128, index_dim=64, n_vocab=129280)
@@ -37,8 +37,7 @@ def real_files() -> list[Path]:
 
 
 def require_testdata() -> Path:
-    if not (TESTDATA / "manifest.json").is_file():
-        pytest.skip(f"ds4 engine test files not found at {TESTDATA} (shared/ must sit beside the repo)")
+    require(TESTDATA / "manifest.json", "the ds4 engine's test files")
     return TESTDATA
 
 

@@ -22,20 +22,19 @@ from ds4_vllm.model.gguf_file import GGML_TO_QUANT_TYPE, Ds4GgufError, Ds4GgufFi
 from ds4_vllm.model.gguf_tokenizer import build_tokenizer
 from ds4_vllm.model.quant import QuantizedWeight
 from ds4_vllm.model.tiny_gguf import tiny_gguf_file, write_tiny_gguf
+from tests.shared_data import ENGINE_TESTDATA, TINY_GGUF_MAKE_SH, require
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: shared/ sits beside the repo (CI clones it there), as for the kvc real-file tests.
-SHARED = REPO_ROOT.parent / "shared"
-MAKE_SH = SHARED / "tools" / "ds4-tiny-gguf" / "make.sh"
-MANIFEST = SHARED / "testdata" / "ds4-engine" / "manifest.json"
+MAKE_SH = TINY_GGUF_MAKE_SH
+MANIFEST = ENGINE_TESTDATA / "manifest.json"
 QUANT_TO_GGML = {v: k for k, v in GGML_TO_QUANT_TYPE.items()}
 
 
 @pytest.fixture(scope="session")
 def engine_ggufs(tmp_path_factory) -> dict[str, Path]:
     """The two GGUFs the ds4 engine ran (make.sh checks their sha256 against the manifest)."""
-    if not MAKE_SH.is_file():
-        pytest.skip(f"{MAKE_SH} not found (shared/ must sit beside the repo)")
+    require(MAKE_SH, "the tiny GGUF generator of the ds4 engine runs")
     out = tmp_path_factory.mktemp("ds4-engine-gguf")
     subprocess.run(["bash", str(MAKE_SH), str(out), sys.executable], check=True, capture_output=True)
     return {"q2": out / "ds4-tiny-q2.gguf", "q4": out / "ds4-tiny-q4.gguf"}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,11 +24,12 @@ from ds4_vllm.chat.responses_request import render_responses
 from ds4_vllm.chat.template import RenderedPrompt
 from ds4_vllm.chat.tokenizer import ASSISTANT, THINK_END, default_tokenizer
 from tests.e2e.server_process import ServerProcess
+from tests.shared_data import ENGINE_TESTDATA, require
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 8192  # R2 of the manifest is 4,687 prompt tokens
-TESTDATA = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "ds4-engine"
+TESTDATA = ENGINE_TESTDATA
 
 TOOLS = [
     {
@@ -337,8 +337,7 @@ CTX = {"q2": 16384, "q4": 20000}  # the engine runs' -c (manifest "runs"); only 
 
 @pytest.fixture(scope="module")
 def manifest() -> dict:
-    if not (TESTDATA / "manifest.json").is_file():
-        pytest.skip("shared/testdata/ds4-engine is not present")
+    require(TESTDATA / "manifest.json", "the ds4 engine's test files")
     return json.loads((TESTDATA / "manifest.json").read_text())
 
 

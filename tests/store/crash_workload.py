@@ -138,17 +138,26 @@ def check_every_file(directory: Path) -> int:
 
 
 def kv_bytes(directory: Path) -> tuple[int, int]:
-    """(bytes of `*.kv` files, bytes of every file including temp files) in the top level."""
+    """(bytes of `*.kv` files, bytes of every file including temp files) in the top level.
+
+    A scan is not a snapshot: a temp file renamed to its `.kv` name while the scan runs can be
+    listed under both names. Files are counted once by inode, so such a file counts once (as the
+    `.kv` file when the scan saw that name).
+    """
     kv = total = 0
+    seen: dict[int, tuple[int, bool]] = {}  # inode -> (size, listed as .kv)
     with os.scandir(directory) as it:
         for entry in it:
             try:
-                size = entry.stat(follow_symlinks=False).st_size
+                st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             if not entry.is_file(follow_symlinks=False):
                 continue
-            total += size
-            if entry.name.endswith(".kv"):
-                kv += size
+            size, was_kv = seen.get(st.st_ino, (st.st_size, False))
+            seen[st.st_ino] = (max(size, st.st_size), was_kv or entry.name.endswith(".kv"))
+    for size, is_kv in seen.values():
+        total += size
+        if is_kv:
+            kv += size
     return kv, total

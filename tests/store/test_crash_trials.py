@@ -127,14 +127,33 @@ def restart_and_answer(directory: Path, rng: np.random.Generator) -> tuple[int, 
     return len(temps), True
 
 
-def run_trials(directory: Path, trials: int, seed: int) -> dict:
+def wait_for_a_write_in_flight(directory: Path, timeout_s: float = 5.0) -> bool:
+    """Poll until a temp or reservation file (a write in flight) exists; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if temp_files(directory):
+            return True
+        time.sleep(0.0002)
+    return False
+
+
+def run_trials(directory: Path, trials: int, seed: int, aimed: int = 0) -> dict:
+    """`trials` kills after a random delay; of them the first `aimed` wait for a write in flight.
+
+    An aimed kill lands while a temp or reservation file exists, so the restart provably meets
+    a write cut short, whatever the seed; the random ones land anywhere in the workload.
+    """
     rng = np.random.default_rng(seed)
     counts: collections.Counter = collections.Counter()
     figures = collections.Counter()
     started = time.monotonic()
     for trial in range(trials):
         pid, fd = start_workload(directory, seed + trial)
-        time.sleep(float(rng.uniform(0, MAX_DELAY_S)))
+        if trial < aimed:
+            time.sleep(float(rng.uniform(0, MAX_DELAY_S / 4)))
+            figures["aimed_kills"] += wait_for_a_write_in_flight(directory)
+        else:
+            time.sleep(float(rng.uniform(0, MAX_DELAY_S)))
         kill(pid, fd, counts)
         figures["files_checked"] += check_every_file(directory)
         temps, hit = restart_and_answer(directory, rng)
@@ -153,8 +172,11 @@ def run_trials(directory: Path, trials: int, seed: int) -> dict:
 
 
 def test_kill_during_save_load_and_evict_quick(tmp_path):
-    """CI subset: 12 kills. The heavy test below runs hundreds."""
-    figures = run_trials(tmp_path / "kv", 12, crash_seed())
+    """CI subset: 12 kills, 6 of them aimed at a write in flight. The heavy test below runs hundreds."""
+    figures = run_trials(tmp_path / "kv", 12, crash_seed(), aimed=6)
+    assert figures["aimed_kills"] == 6
+    # A temp file seen just before the kill may have been renamed in between; of six, some land.
+    assert figures["killed_mid_write"] > 0 and figures["temp_files_cleaned"] > 0
     assert figures["files_written"] > 0 and figures["files_evicted"] > 0
 
 
@@ -204,8 +226,10 @@ def run_shared_directory(directory: Path, processes: int, seconds: float, seed: 
 def assert_within_budget(figures: dict) -> None:
     """The directory, temp and reservation files included, stays within budget + one file.
 
-    The store keeps it within the budget; the one file is the sampler's: its scan is not a
-    snapshot, so a file renamed from its temp name mid-scan can be counted twice.
+    The store keeps it within the budget; the one file is the sampler's slack: its scan is not
+    a snapshot. (A file renamed from its temp name mid-scan is counted once, by inode,
+    `kv_bytes`; before that, 4 writers renaming during one scan on a loaded machine pushed the
+    peak past budget + one file.)
     """
     budget, largest = figures["budget_bytes"], figures["largest_file"]
     assert figures["peak_kv_bytes"] <= budget + largest, figures

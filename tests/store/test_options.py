@@ -8,7 +8,6 @@ import pytest
 
 from ds4_vllm.store.options import (
     DEFAULT_BOUNDARY_ALIGN_TOKENS,
-    NOT_SUPPORTED_YET,
     SETTINGS,
     StoreConfigError,
     StoreOptions,
@@ -106,7 +105,6 @@ def test_table_and_fields_match() -> None:
     """A new setting is one SETTINGS row plus one StoreOptions field (with a default)."""
     fields = {f.name for f in dataclasses.fields(StoreOptions)}
     assert sorted(s.field for s in SETTINGS.values()) == sorted(fields)
-    assert not set(NOT_SUPPORTED_YET) & set(SETTINGS)
 
 
 def test_legal_edges() -> None:

@@ -19,8 +19,9 @@ from ds4_vllm.store.tool_memory import (
     tool_call_id,
     tool_map_for_text,
 )
+from tests.shared_data import ENGINE_TESTDATA, require
 
-ENGINE_FILES = Path("/work/shared/testdata/ds4-engine")
+ENGINE_FILES = ENGINE_TESTDATA
 BLOCK_A = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="a">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
 BLOCK_B = '<｜DSML｜tool_calls><｜DSML｜invoke name="b"></｜DSML｜invoke></｜DSML｜tool_calls>'
 
@@ -114,8 +115,8 @@ def test_writer_scan_finds_blocks_like_the_engine() -> None:
     assert entries == [ToolMapEntry(b"a1", BLOCK_A.encode()), ToolMapEntry(b"a2", BLOCK_A.encode())]
 
 
-@pytest.mark.skipif(not ENGINE_FILES.is_dir(), reason="ds4 engine test files not present")
 def test_engine_files_trailers_are_read_and_rewritten_identically() -> None:
+    require(ENGINE_FILES, "the ds4 engine's test files")
     files = [p for p in sorted(ENGINE_FILES.glob("*/*.kv")) if read_tool_map(p)]
     assert files, "the engine test files hold no KTM trailer"
     for path in files:
