@@ -175,3 +175,33 @@ def test_ds4_vllm_without_serve_prints_usage(argv: list[str], code: int, capsys)
     out = capsys.readouterr()
     assert "usage: ds4-vllm serve" in (out.out if code == 0 else out.err)
     assert "--kv-cache-min-tokens N" in (out.out + out.err)
+
+
+def test_the_config_loads_the_tokenizer_through_the_ds4_mode_without_a_regex_warning(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24: VllmConfig loads the tokenizer for the reasoning parser's token ids while it is
+    built; with mode "auto" that was transformers' loader, which printed "incorrect regex
+    pattern" on every `ds4-vllm serve`. The mode is now chosen before that load."""
+    import logging
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.tokenizers.registry import cached_get_tokenizer
+
+    from ds4_vllm.serving.startup import PARSER_NAME
+
+    monkeypatch.setenv("DS4_VLLM_CACHE", str(model_dir.parent.parent))
+    cached_get_tokenizer.cache_clear()
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        config = EngineArgs(
+            model="ds4", max_model_len=2048, reasoning_parser=PARSER_NAME
+        ).create_engine_config()
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert config.model_config.tokenizer_mode == "ds4"
+    assert config.reasoning_config is not None and config.reasoning_config.reasoning_end_token_ids
+    assert not [m for m in messages if "incorrect regex" in m], messages

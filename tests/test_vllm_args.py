@@ -250,3 +250,46 @@ def test_ds4disk_gets_a_shutdown_drain_unless_given() -> None:
     out = rewrite_kv_connector_args(["serve", "m", "--kv-connector", "ds4disk", "--shutdown-timeout", "20"])
     assert out.count("--shutdown-timeout") == 1 and out[out.index("--shutdown-timeout") + 1] == "20"
     assert "--shutdown-timeout" not in rewrite_kv_connector_args(["serve", "m", "--kv-connector", "other"])
+
+
+# -- `ds4-vllm serve` defaults (issue 24) ---------------------------------------------------------
+
+
+def test_serve_with_no_flags_is_the_product() -> None:
+    from ds4_vllm.cli.vllm_args import apply_serve_defaults
+
+    assert apply_serve_defaults(["serve"]) == ["serve", "ds4", "--kv-connector", "ds4disk"]
+    assert apply_serve_defaults(["serve", "--port", "8001"]) == [
+        "serve",
+        "ds4",
+        "--port",
+        "8001",
+        "--kv-connector",
+        "ds4disk",
+    ]
+    assert apply_serve_defaults(["serve", "ds4-tiny-q2"])[-2:] == ["--kv-connector", "ds4disk"]
+
+
+def test_serve_defaults_keep_what_the_user_chose() -> None:
+    from ds4_vllm.cli.vllm_args import apply_serve_defaults
+
+    for given in (
+        ["serve", "ds4", "--kv-disk-dir", "/x"],
+        ["serve", "--kv-connector=ds4disk"],
+        ["serve", "--model", "ds4", "--kv-transfer-config", "{}"],
+        ["serve", "ds4", "--kv-transfer-config.kv_connector", "x"],
+        ["serve", "ds4", "--kv-cache-min-tokens=64"],
+    ):
+        assert "ds4disk" not in apply_serve_defaults(given)[len(given) :], given
+    # Another model: no ds4disk (it checkpoints ds4 models only).
+    assert apply_serve_defaults(["serve", "Qwen/Qwen3-0.6B"]) == ["serve", "Qwen/Qwen3-0.6B"]
+    # Plain `vllm serve` has no defaults (the plugin rewrite does not call this).
+    assert apply_serve_defaults(["chat"]) == ["chat"]
+
+
+def test_no_kv_disk_serves_without_checkpoints_and_refuses_contradictions() -> None:
+    from ds4_vllm.cli.vllm_args import ArgvError, apply_serve_defaults
+
+    assert apply_serve_defaults(["serve", "--no-kv-disk"]) == ["serve", "ds4"]
+    with pytest.raises(ArgvError, match="--no-kv-disk serves without checkpoints"):
+        apply_serve_defaults(["serve", "--no-kv-disk", "--kv-disk-dir", "/x"])

@@ -27,7 +27,6 @@ from typing import Any
 
 from ds4_vllm.model.embedded import DEFAULT_MODEL_NAME
 from ds4_vllm.store.options import (
-    NOT_SUPPORTED_YET,
     SETTINGS,
     StoreConfigError,
     StoreOptions,
@@ -44,8 +43,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5
 
 #: ds4 cache flag → its `kv_connector_extra_config` key, for every setting in SETTINGS.
 KV_CACHE_FLAGS: dict[str, str] = {setting_flag(key): key for key in SETTINGS}
-#: ds4 flags that are recognised only to say that they are not supported yet.
-NOT_SUPPORTED_FLAGS: dict[str, str] = {setting_flag(key): key for key in NOT_SUPPORTED_YET}
 
 
 class ArgvError(ValueError):
@@ -192,7 +189,7 @@ def _collect_kv_flags(argv: list[str]) -> tuple[list[str], str | None, dict[str,
             if not connector:
                 raise ArgvError("--kv-connector needs a connector name, e.g. --kv-connector ds4disk")
             continue
-        key = KV_CACHE_FLAGS.get(flag) or NOT_SUPPORTED_FLAGS.get(flag)
+        key = KV_CACHE_FLAGS.get(flag)
         if key is None:
             out.append(arg)
             i += 1
@@ -223,6 +220,54 @@ def add_serving_flags(argv: list[str]) -> list[str]:
     if not is_ds4_model_arg(model, _flag_value(argv, "--config-format")):
         return list(argv)
     return list(argv) + serving_flags(argv)
+
+
+#: `ds4-vllm serve` serves with ds4disk unless this flag says otherwise (not a vLLM flag).
+NO_KV_DISK_FLAG = "--no-kv-disk"
+
+
+def _names_kv_connector(argv: list[str]) -> bool:
+    """Whether a command line chooses a KV connector or ds4 cache settings itself."""
+    for arg in argv:
+        if arg == "--":
+            break
+        flag = arg.partition("=")[0]
+        if flag in ("--kv-connector", "--kv-transfer-config") or flag in KV_CACHE_FLAGS:
+            return True
+        if flag.startswith("--kv-transfer-config."):
+            return True
+    return False
+
+
+def apply_serve_defaults(argv: list[str]) -> list[str]:
+    """`ds4-vllm serve`'s defaults: the model `ds4`, served with ds4disk checkpoints.
+
+    No model → `ds4`. A ds4 model with no connector or cache flag gets `--kv-connector ds4disk`
+    (checkpoints in the per-user cache folder, `StoreOptions.for_model`); `--no-kv-disk` serves
+    without checkpoints, and contradicting it with a connector or cache flag is an error. Plain
+    `vllm serve` has no such defaults: it stays vLLM's command.
+    """
+    if not is_serve_command(argv):
+        return list(argv)
+    out = [a for a in argv if a != NO_KV_DISK_FLAG]
+    no_kv_disk = len(out) != len(argv)
+    if _model_value_index(out) is None:
+        out.insert(1, DEFAULT_MODEL_NAME)
+    if no_kv_disk:
+        if _names_kv_connector(out):
+            raise ArgvError(
+                f"{NO_KV_DISK_FLAG} serves without checkpoints; it cannot be combined with "
+                "--kv-connector, --kv-transfer-config or the ds4 cache flags"
+            )
+        return out
+    from ds4_vllm.serving.startup import is_ds4_model_arg
+
+    idx = _model_value_index(out)
+    model = _value_at(out, idx) if idx is not None else None
+    is_ds4 = model == DEFAULT_MODEL_NAME or is_ds4_model_arg(model, _flag_value(out, "--config-format"))
+    if is_ds4 and not _names_kv_connector(out):
+        out += ["--kv-connector", DEFAULT_CONNECTOR]
+    return out
 
 
 def rewrite_serve_argv(argv: list[str], model_dir: Callable[[], str]) -> list[str]:

@@ -149,7 +149,8 @@ class Ds4KVLayout:
         keep = blocks != NULL_BLOCK  # rows outside the window vLLM allocated are not needed
         if not bool(keep.any()):
             return
-        values = torch.as_tensor(np.ascontiguousarray(rows))[keep]
+        # Boolean indexing copies, so a read-only (memory-mapped) payload becomes a writable array.
+        values = torch.from_numpy(np.asarray(rows)[keep.numpy()])
         cache[blocks[keep].to(cache.device), 0, states[keep].to(cache.device)] = values.to(
             cache.device, cache.dtype
         )

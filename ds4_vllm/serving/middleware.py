@@ -57,6 +57,22 @@ class Ds4UsageMiddleware:
             await self.app(scope, receive, response.send)
 
 
+class Ds4Middleware:
+    """The one `--middleware` a ds4 server gets: usage rewriting around the raw-body keeper.
+
+    One entry, not two: vLLM's argument parser warns "Found duplicate keys --middleware" when
+    the flag repeats. The order is what two flags gave (the last one added is the outermost).
+    """
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        from ds4_vllm.serving.request_body import RawRequestBodyMiddleware
+
+        self.app = Ds4UsageMiddleware(RawRequestBodyMiddleware(app))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
 def _usage_rewrite(scope: Scope) -> UsageRewrite | None:
     path = post_path(scope)
     return None if path is None else USAGE_REWRITES.get(path)

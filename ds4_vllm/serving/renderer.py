@@ -184,7 +184,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
                 self._warned_no_body = True
                 logger.info(
                     "ds4 renderer: rendering vLLM's parsed messages (no raw HTTP body: offline use, or "
-                    "the server runs without --middleware ds4_vllm.serving.request_body.RawRequestBodyMiddleware); "
+                    "the server runs without --middleware ds4_vllm.serving.middleware.Ds4Middleware); "
                     "tool schemas are rendered as compact JSON"
                 )
             body = fallback_chat_body(messages, params)

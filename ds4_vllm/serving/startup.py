@@ -33,18 +33,17 @@ from ds4_vllm.serving.parsers import PARSER_NAME
 TOKENIZER_MODE = "ds4"
 TOKENIZER_LOADER = ("ds4_vllm.serving.tokenizer", "Ds4TokenizerLoader")
 RENDERER_CLASS = ("ds4_vllm.serving.renderer", "Ds4Renderer")
-RAW_BODY_MIDDLEWARE = "ds4_vllm.serving.request_body.RawRequestBodyMiddleware"
 #: `--config-format` of DeepSeek V4 directories read as ds4 (`ds4_vllm.model.config_parser`, which
 #: imports vLLM; the command line is judged before vLLM is imported).
 CONFIG_FORMAT = "ds4"
 GGUF_MAGIC = b"GGUF"
-#: Usage fields on every response and the counters of GET /v1/kv_cache.
-USAGE_MIDDLEWARE = "ds4_vllm.serving.middleware.Ds4UsageMiddleware"
+#: The raw request body for the renderer, usage fields on every response and the counters of
+#: GET /v1/kv_cache, as one middleware (`Ds4Middleware` says why one).
+DS4_MIDDLEWARE = "ds4_vllm.serving.middleware.Ds4Middleware"
 
 #: The `vllm serve` flags a ds4 model is served with, as (flag, value or None for a switch).
 SERVE_FLAGS: list[tuple[str, str | None]] = [
-    ("--middleware", RAW_BODY_MIDDLEWARE),
-    ("--middleware", USAGE_MIDDLEWARE),
+    ("--middleware", DS4_MIDDLEWARE),
     ("--enable-auto-tool-choice", None),
     ("--tool-call-parser", PARSER_NAME),
     ("--reasoning-parser", PARSER_NAME),

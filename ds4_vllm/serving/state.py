@@ -64,7 +64,10 @@ class ServingState:
         text_reuse: TextReuse | None = None,
         counters: UsageCounters | None = None,
         disk: DiskCacheView | None = None,
+        with_connector: bool | None = None,
     ) -> None:
+        #: Whether requests go to the ds4disk connector (default: when a disk view is given).
+        self.with_connector = disk is not None if with_connector is None else with_connector
         self.tool_memory = tool_memory if tool_memory is not None else ToolMemory()
         self.text_reuse = text_reuse
         self.counters = counters if counters is not None else UsageCounters(None)
@@ -125,7 +128,12 @@ class ServingState:
 
     def attach_tool_transfer_params(self, request: Any) -> None:
         """Give a request, before it goes to the engine, what the ds4disk connector needs to map
-        its tool calls (`ds4_vllm.serving.tool_replay.attach_tool_transfer_params`)."""
+        its tool calls (`ds4_vllm.serving.tool_replay.attach_tool_transfer_params`).
+
+        Only with ds4disk: without a connector vLLM drops `kv_transfer_params` with a warning per
+        request, and the serving side's random call ids replay from memory just as well."""
+        if not self.with_connector:
+            return
         from ds4_vllm.serving.tool_replay import attach_tool_transfer_params
 
         attach_tool_transfer_params(request, self.tool_memory)

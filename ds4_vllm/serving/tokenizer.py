@@ -106,6 +106,11 @@ class Ds4TokenizerLoader(TokenizerLike):
         **kwargs: Any,
     ) -> Ds4HfTokenizer:
         kwargs.pop("mistral_format", None)
+        # transformers flags every tokenizer.json whose config lacks a 5.x `transformers_version`
+        # as having Mistral's "incorrect regex" and suggests fix_mistral_regex=True. For
+        # DeepSeek's pre-tokenizer that advice is wrong (it changes the ids of ordinary text,
+        # tests/chat/test_tokenizer.py), so say False and keep the start-up log clean.
+        kwargs.setdefault("fix_mistral_regex", False)
         hf = Ds4HfTokenizer.from_pretrained(
             path_or_repo_id,
             *args,

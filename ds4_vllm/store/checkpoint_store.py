@@ -147,11 +147,13 @@ class CheckpointStore:
             ) from exc
         self._clean_temp()
         evicted = self.evict()
+        entries = self._catalog.entries()
         logger.info(
-            "KV disk cache %s (%s, files=%d, evicted=%d)",
+            "KV disk cache %s (%s, files=%d, bytes=%d, evicted=%d)",
             self.fs.url,
             self.options.describe(),
-            len(self._catalog),
+            len(entries),
+            sum(e.file_size for e in entries),
             len(evicted),
         )
         return self

@@ -30,12 +30,14 @@
    each finished sequence to the text-keyed reuse of the engine client's serving state.
 6. `GET /v1/kv_cache` with no flags. vLLM loads `vllm.endpoint_plugins` only when
    `VLLM_PLUGINS` names them. When `VLLM_PLUGINS` is unset we add ds4's own endpoint plugin
-   (and only it) to `load_endpoint_plugins`' answer; when it is set, vLLM's rule applies and
-   it must name `ds4` (which also loads the general plugin, this one).
+   (and only it) to `load_endpoint_plugins`' answer, without vLLM's warning that a found
+   endpoint plugin is not allowlisted (still given for other packages' plugins); when it is set,
+   vLLM's rule applies and it must name `ds4` (which also loads the general plugin, this one).
 7. The ds4 tokenizer mode for `Ds4ForCausalLM`. vLLM picks a tokenizer mode by architecture
-   only for its own models, after plugins ran. The wrapped `create_engine_config` sets
+   only for its own models, after plugins ran. The wrapped `create_model_config` sets
    `tokenizer_mode` "ds4" (our registered tokenizer and renderer) when it is "auto" and the
-   architecture is ours. The renderer overrides `BaseRenderer._render_prompt_async` to wrap
+   architecture is ours, before `VllmConfig` loads the tokenizer (otherwise transformers' own
+   loader runs once and prints its false "incorrect regex pattern" warning). The renderer overrides `BaseRenderer._render_prompt_async` to wrap
    `/v1/completions` text prompts as the ds4 engine does (no public hook renders them).
 8. Seeded sampling over a chunked prefill. Every scheduled row is sampled, also a request whose
    prefill is only partly done; its token is discarded, and `_bookkeeping_sync` then rewinds the
@@ -59,8 +61,10 @@ from typing import Any
 #: Every vLLM name this module patches or relies on privately, with what it does with it.
 PATCHED_NAMES: dict[str, str] = {
     "vllm.engine.arg_utils.EngineArgs.create_engine_config": (
-        "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config, and "
-        "selects tokenizer mode `ds4` for Ds4ForCausalLM in the config it returns"
+        "wrapped: resolves the model (and tokenizer) name `ds4` before vLLM reads a config"
+    ),
+    "vllm.engine.arg_utils.EngineArgs.create_model_config": (
+        "wrapped: selects tokenizer mode `ds4` for Ds4ForCausalLM before VllmConfig loads the tokenizer"
     ),
     "vllm.engine.arg_utils.get_model_path": (
         "module global replaced: EngineArgs.__post_init__ calls it under HF_HUB_OFFLINE=1"
@@ -151,18 +155,26 @@ def resolve_default_model_name() -> None:
     if getattr(arg_utils.EngineArgs.create_engine_config, _PATCHED_MARK, False):
         return
     original_create = arg_utils.EngineArgs.create_engine_config
+    original_model_config = arg_utils.EngineArgs.create_model_config
     original_get_model_path = arg_utils.get_model_path
     original_speculators = arg_utils.maybe_override_with_speculators
 
     @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ds4_vllm.model.embedded import resolve_default_model
-        from ds4_vllm.serving.startup import select_tokenizer_mode
 
         resolve_default_model(self)
-        config = original_create(self, *args, **kwargs)
-        select_tokenizer_mode(config.model_config)
-        return config
+        return original_create(self, *args, **kwargs)
+
+    @functools.wraps(original_model_config)
+    def create_model_config(self: Any) -> Any:
+        from ds4_vllm.serving.startup import select_tokenizer_mode
+
+        # Before VllmConfig exists: its __post_init__ already loads the tokenizer (the reasoning
+        # config's token ids), and with mode "auto" that would be transformers' loader.
+        model_config = original_model_config(self)
+        select_tokenizer_mode(model_config)
+        return model_config
 
     @functools.wraps(original_get_model_path)
     def get_model_path(model: Any, revision: str | None = None) -> Any:
@@ -180,6 +192,7 @@ def resolve_default_model_name() -> None:
 
     setattr(create_engine_config, _PATCHED_MARK, True)
     arg_utils.EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    arg_utils.EngineArgs.create_model_config = create_model_config  # type: ignore[method-assign]
     arg_utils.get_model_path = get_model_path
     arg_utils.maybe_override_with_speculators = maybe_override_with_speculators
 
@@ -249,9 +262,14 @@ def load_ds4_endpoint_plugin_by_default() -> None:
 
         from ds4_vllm.serving.kv_cache_route import Ds4KvCacheEndpoint
 
-        loaded = original(supported_tasks)
-        if envs.VLLM_PLUGINS is not None or any(p.name == Ds4KvCacheEndpoint.name for p in loaded):
-            return loaded
+        if envs.VLLM_PLUGINS is not None:
+            return original(supported_tasks)
+        # vLLM would load nothing and warn that the endpoint plugins it found are not allowlisted;
+        # ours is loaded here, so the warning is left to other packages' plugins.
+        from importlib.metadata import entry_points
+
+        others = [e for e in entry_points(group="vllm.endpoint_plugins") if e.name != Ds4KvCacheEndpoint.name]
+        loaded = original(supported_tasks) if others else []
         plugin = Ds4KvCacheEndpoint()
         if supported_tasks is None or not set(plugin.required_tasks) & set(supported_tasks):
             return loaded

@@ -26,14 +26,32 @@ def vllm_command() -> str:
 
 
 class ServerProcess:
-    """`vllm serve ARGS` with its log in ``log_path``; waits for /health, stops with SIGINT (or another signal)."""
+    """`vllm serve ARGS` with its log in ``log_path``; waits for /health, stops with SIGINT (or another signal).
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    `command` replaces `vllm serve ARGS --host --port` by a program that takes its port from the
+    `PORT` environment variable (`scripts/serve.sh`).
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        command: list[str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.command = [vllm_command(), "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.command = command or [
+            vllm_command(),
+            "serve",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PORT": str(self.port), **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 240.0) -> ServerProcess:

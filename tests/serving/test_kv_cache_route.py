@@ -14,8 +14,9 @@ from ds4_vllm.serving.kv_cache_route import Ds4KvCacheEndpoint
 from ds4_vllm.serving.state import DiskCacheView, ServingState
 from ds4_vllm.serving.usage import CacheUsage
 from ds4_vllm.serving.usage_counters import COUNTERS_FILE, UsageCounters
+from tests.shared_data import ENGINE_TESTDATA, require
 
-ENGINE_FILES = Path("/work/shared/testdata/ds4-engine/q2")
+ENGINE_FILES = ENGINE_TESTDATA / "q2"
 BUDGET = 64 << 20
 
 
@@ -30,8 +31,7 @@ def app_with(state: ServingState | None) -> TestClient:
 
 @pytest.fixture
 def disk_dir(tmp_path) -> Path:
-    if not ENGINE_FILES.is_dir():
-        pytest.skip(f"{ENGINE_FILES} (shared test data) is not on this machine")
+    require(ENGINE_FILES, "the ds4 engine's q2 files")
     for f in ENGINE_FILES.glob("*.kv"):
         shutil.copy(f, tmp_path / f.name)
     (tmp_path / ("0" * 40 + ".kv")).write_bytes(b"KVC\x01 too short")  # invalid: ignored, as by ds4
@@ -92,14 +92,25 @@ def test_other_models_get_a_clear_404() -> None:
 
 
 def test_plugin_loads_without_vllm_plugins_and_obeys_it_when_set(monkeypatch) -> None:
+    import logging
+
     import vllm.plugins
 
     import ds4_vllm
 
     ds4_vllm.register()  # installs the compat patches
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    loaded = vllm.plugins.load_endpoint_plugins(("generate",))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("vllm.plugins").addHandler(handler)
+    try:
+        loaded = vllm.plugins.load_endpoint_plugins(("generate",))
+    finally:
+        logging.getLogger("vllm.plugins").removeHandler(handler)
     assert [p.name for p in loaded] == ["ds4"]
+    # No "Found endpoint plugin(s) ['ds4'] but VLLM_PLUGINS is not set" at a default start (issue 24).
+    assert not [r for r in records if "VLLM_PLUGINS is not set" in r.getMessage()]
     assert vllm.plugins.load_endpoint_plugins(("transcription",)) == []  # required_tasks respected
     monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
     assert vllm.plugins.load_endpoint_plugins(("generate",)) == []  # vLLM's allowlist rules

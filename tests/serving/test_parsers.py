@@ -57,7 +57,9 @@ def parser_cls():
 
 def fresh_memory(tokenizer, max_ids: int = 100_000) -> ToolMemory:
     """A new server state for the parsers built from `tokenizer`, as a renderer registers its own."""
-    return register_for_tokenizer(tokenizer, ServingState(tool_memory=ToolMemory(max_ids))).tool_memory
+    return register_for_tokenizer(
+        tokenizer, ServingState(tool_memory=ToolMemory(max_ids), with_connector=True)
+    ).tool_memory
 
 
 @pytest.fixture

@@ -23,8 +23,7 @@ from ds4_vllm.serving.request_body import (
 )
 from ds4_vllm.serving.request_context import current_request
 from ds4_vllm.serving.startup import (
-    RAW_BODY_MIDDLEWARE,
-    USAGE_MIDDLEWARE,
+    DS4_MIDDLEWARE,
     is_ds4_model_arg,
     select_tokenizer_mode,
     serving_flags,
@@ -233,9 +232,7 @@ def test_serve_command_gets_the_serving_flags_once(tmp_path: Path) -> None:
         "--served-model-name",
         "ds4",
         "--middleware",
-        RAW_BODY_MIDDLEWARE,
-        "--middleware",
-        USAGE_MIDDLEWARE,
+        DS4_MIDDLEWARE,
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "ds4",
@@ -258,9 +255,7 @@ def test_user_flags_win_and_other_models_get_none(tmp_path: Path) -> None:
     ]
     assert serving_flags(given) == [
         "--middleware",
-        RAW_BODY_MIDDLEWARE,
-        "--middleware",
-        USAGE_MIDDLEWARE,
+        DS4_MIDDLEWARE,
         "--enable-auto-tool-choice",
         "--reasoning-parser",
         "ds4",

@@ -9,8 +9,6 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 from ds4_vllm.chat.tokenizer import default_tokenizer
 from ds4_vllm.serving.request_outputs import record_outputs
 from ds4_vllm.serving.state import (
@@ -20,9 +18,11 @@ from ds4_vllm.serving.state import (
     serving_state_of_app,
     serving_state_of_engine,
 )
+from ds4_vllm.serving.tool_replay import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.store.tool_memory import read_tool_map
+from tests.shared_data import ENGINE_TESTDATA, require
 
-ENGINE_FILES = Path("/work/shared/testdata/ds4-engine/q2")
+ENGINE_FILES = ENGINE_TESTDATA / "q2"
 
 
 def config(kv_transfer_config=None) -> SimpleNamespace:
@@ -40,8 +40,7 @@ def ds4disk(directory: Path, **extra) -> SimpleNamespace:
 
 
 def test_with_ds4disk_every_part_reads_the_directory(tmp_path: Path) -> None:
-    if not ENGINE_FILES.is_dir():
-        pytest.skip(f"{ENGINE_FILES} (shared test data) is not on this machine")
+    require(ENGINE_FILES, "the ds4 engine's q2 files")
     files = sorted(ENGINE_FILES.glob("*.kv"))
     for f in files:
         shutil.copy(f, tmp_path / f.name)
@@ -56,6 +55,9 @@ def test_with_ds4disk_every_part_reads_the_directory(tmp_path: Path) -> None:
     assert (state.counters.persistent, state.counters.directory) == (True, tmp_path)
     report = state.kv_cache_report()
     assert (report["disk_cache"], report["directory"], report["entries"]) == (True, str(tmp_path), len(files))
+    request = SimpleNamespace(messages=[], kv_transfer_params=None)
+    state.attach_tool_transfer_params(request)
+    assert set(request.kv_transfer_params) == {TOOL_IDS_KEY, TOOL_MAP_KEY}  # for the connector
 
 
 def test_without_ds4disk_everything_is_this_process_only() -> None:
@@ -63,6 +65,10 @@ def test_without_ds4disk_everything_is_this_process_only() -> None:
     assert (state.disk, state.counters.persistent, state.tool_memory.directory) == (None, False, None)
     assert state.text_reuse is not None and state.text_reuse.files is None
     assert ServingState.from_config(config(), None).text_reuse is None  # vLLM without a tokenizer
+    # No connector reads kv_transfer_params, and vLLM warns about every request that has them.
+    request = SimpleNamespace(messages=[], kv_transfer_params=None)
+    state.attach_tool_transfer_params(request)
+    assert request.kv_transfer_params is None
 
 
 def test_each_component_reaches_the_one_state() -> None:
