@@ -17,6 +17,8 @@ from ds4_vllm.cli.vllm_args import (
 from ds4_vllm.store.options import SETTINGS, StoreConfigError, StoreOptions
 
 MODEL_DIR = "/cache/ds4-tiny"
+#: The ds4 engine answers to deepseek-v4-flash (its /v1/models id), deepseek-chat and deepseek-reasoner.
+SERVED = ["--served-model-name", "ds4", "deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner"]
 
 
 def _kv_config(argv: list[str]) -> dict:
@@ -29,12 +31,12 @@ def _kv_config(argv: list[str]) -> dict:
     [
         (
             ["serve", "--model", "ds4", "--port", "8000"],
-            ["serve", "--model", MODEL_DIR, "--port", "8000", "--served-model-name", "ds4"],
+            ["serve", "--model", MODEL_DIR, "--port", "8000", *SERVED],
         ),
-        (["serve", "--model=ds4"], ["serve", f"--model={MODEL_DIR}", "--served-model-name", "ds4"]),
+        (["serve", "--model=ds4"], ["serve", f"--model={MODEL_DIR}", *SERVED]),
         (
             ["serve", "ds4", "--host", "127.0.0.1"],
-            ["serve", MODEL_DIR, "--host", "127.0.0.1", "--served-model-name", "ds4"],
+            ["serve", MODEL_DIR, "--host", "127.0.0.1", *SERVED],
         ),
         (
             ["serve", "--host", "127.0.0.1", "--model", "ds4", "--served-model-name", "x"],

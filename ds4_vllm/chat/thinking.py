@@ -66,6 +66,8 @@ _EFFORTS = {
     "none": ThinkMode.NONE,
 }
 _MODEL_ALIASES = {"deepseek-chat": False, "deepseek-reasoner": True}
+#: The model names the ds4 engine answers to (`ds4_server.c`: its /v1/models id and the aliases).
+ENGINE_MODEL_NAMES = ("deepseek-v4-flash", *_MODEL_ALIASES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ parses them: `ds4-vllm serve` (`ds4_vllm.cli.main`) applies them to its own argu
 plain `vllm serve` the plugin applies them to `sys.argv` (`ds4_vllm.vllm_compat`, which says why):
 
 - `--model ds4` / `--model=ds4` / positional `ds4` → the embedded default model directory
-  (plus `--served-model-name ds4` so clients keep asking for model "ds4");
+  (plus `--served-model-name ds4` and the ds4 engine's model names, so clients keep asking
+  for model "ds4");
 - `--kv-connector NAME` and the ds4 cache flags (`--kv-disk-dir DIR`, ...) →
   `--kv-transfer-config '{"kv_connector": NAME, "kv_role": "kv_both",
   "kv_connector_extra_config": {"kv_disk_dir": DIR, ...}}'` (for ds4disk also
@@ -86,7 +87,8 @@ def mentions_default_model(argv: list[str]) -> bool:
 def rewrite_model_arg(argv: list[str], model_dir: str) -> list[str]:
     """Replace the model name `ds4` by `model_dir`; other command lines come back unchanged.
 
-    Adds `--served-model-name ds4` unless given, so the OpenAI/Anthropic APIs still call it "ds4".
+    Adds `--served-model-name ds4` (and the ds4 engine's model names) unless given, so the
+    OpenAI/Anthropic APIs still call it "ds4".
     """
     if not mentions_default_model(argv):
         return list(argv)
@@ -95,7 +97,9 @@ def rewrite_model_arg(argv: list[str], model_dir: str) -> list[str]:
     out = list(argv)
     out[idx] = f"--model={model_dir}" if out[idx].startswith("--model=") else model_dir
     if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in out):
-        out += ["--served-model-name", DEFAULT_MODEL_NAME]
+        from ds4_vllm.serving.startup import served_names_flag
+
+        out += served_names_flag(DEFAULT_MODEL_NAME)
     return out
 
 
@@ -219,7 +223,7 @@ def add_serving_flags(argv: list[str]) -> list[str]:
     model = _value_at(argv, idx) if idx is not None else None
     if not is_ds4_model_arg(model, _flag_value(argv, "--config-format")):
         return list(argv)
-    return list(argv) + serving_flags(argv)
+    return list(argv) + serving_flags(argv, model)
 
 
 #: `ds4-vllm serve` serves with ds4disk unless this flag says otherwise (not a vLLM flag).

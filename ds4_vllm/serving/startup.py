@@ -3,7 +3,7 @@
 Tokenizer and renderer: vLLM picks both from one name, `ModelConfig.tokenizer_mode`, and sets it
 itself from the resolved architecture when it is "auto" (e.g. DeepseekV4ForCausalLM ->
 "deepseek_v4"). `select_tokenizer_mode` applies the same rule for our architecture right after
-vLLM built the config (the patched `EngineArgs.create_engine_config`, `ds4_vllm.vllm_compat`):
+vLLM built the model config (the patched `EngineArgs.create_model_config`, `ds4_vllm.vllm_compat`):
 tokenizer_mode "auto" and architecture `Ds4ForCausalLM` -> "ds4". An explicit
 `--tokenizer-mode` is kept. This covers every way of naming a ds4 model (embedded names, GGUF
 files, `model_type: ds4` directories, `--config-format ds4`, hub ids), offline `LLM(...)` too.
@@ -12,7 +12,9 @@ files, `model_type: ds4` directories, `--config-format ds4`, hub ids), offline `
 server, not of the engine config, so the `vllm serve` command line rewrite
 (`ds4_vllm.cli.vllm_args`) appends `serving_flags()` when `is_ds4_model_arg` recognises the model
 from the command line alone (embedded names, ds4 GGUF files, local `model_type: ds4` directories,
-`--config-format ds4`). A hub id is not downloaded for this; such a server renders from vLLM's
+`--config-format ds4`). Without `--served-model-name` the server also answers to the ds4 engine's
+model names (`deepseek-v4-flash`, `deepseek-chat`, `deepseek-reasoner`; the last two select thinking
+as in the engine), after the model's own name. A hub id is not downloaded for this; such a server renders from vLLM's
 parsed messages until the flags are given by hand.
 
 `VLLM_PLUGINS`: vLLM loads only the `vllm.general_plugins` entry points it names when it is set.
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ds4_vllm.chat.thinking import ENGINE_MODEL_NAMES
 from ds4_vllm.serving.parsers import PARSER_NAME
 
 TOKENIZER_MODE = "ds4"
@@ -114,13 +117,22 @@ def _given(argv: Sequence[str], flag: str) -> list[str | None]:
     return values
 
 
-def serving_flags(argv: Sequence[str]) -> list[str]:
+def served_names_flag(model_name: str) -> list[str]:
+    """`--served-model-name` with the model's own name first, then the ds4 engine's names."""
+    return ["--served-model-name", model_name, *ENGINE_MODEL_NAMES]
+
+
+def serving_flags(argv: Sequence[str], model_name: str | None = None) -> list[str]:
     """The `SERVE_FLAGS` a `vllm serve` command line lacks, to append to it.
 
     A flag the user gave keeps the user's value (e.g. their own `--tool-call-parser`); only
     `--middleware`, which vLLM accepts several times, is added next to the user's own ones.
+    Without `--served-model-name`, `model_name` (as vLLM would call the model) and the engine's
+    names are served.
     """
     out: list[str] = []
+    if model_name is not None and not _given(argv, "--served-model-name"):
+        out += served_names_flag(model_name)
     for flag, value in SERVE_FLAGS:
         given = _given(argv, flag)
         if flag == "--middleware" and value not in given:

@@ -52,8 +52,8 @@ TOOLS = [
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-render") / "vllm-serve.log"
     args = ["--model", "ds4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-scale-out"]
-    # The engine's recorded requests ask for model "deepseek-v4-flash" (not a thinking alias).
-    args += ["--served-model-name", "ds4", "deepseek-v4-flash"]
+    # No --served-model-name: the engine's recorded requests ask for model "deepseek-v4-flash",
+    # which a ds4 server answers to by default, as the engine does (issue 20).
     proc = ServerProcess(args, log).start()
     yield proc
     proc.stop()
@@ -175,6 +175,27 @@ def test_vllm_thinking_switch_applies_when_the_body_has_none(openai_client, capt
     expected = render_chat_completion({**body, "thinking": False}, ctx_size=MAX_MODEL_LEN)
     assert expected.text == "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>"
     assert_prompt(reply.model_dump()["prompt_token_ids"], expected)
+
+
+@pytest.mark.parametrize(
+    ("model", "prompt_end"),
+    [("deepseek-chat", "<｜Assistant｜></think>"), ("deepseek-reasoner", "<｜Assistant｜><think>")],
+)
+def test_the_engines_model_aliases_are_served_and_select_thinking(
+    server, openai_client, model: str, prompt_end: str
+) -> None:
+    """Issue 20: `deepseek-chat` got a 404; the engine serves it with thinking off, and
+    `deepseek-reasoner` with thinking on, when the body says nothing about thinking."""
+    reply = openai_client.chat.completions.create(
+        model=model,
+        max_tokens=1,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"return_token_ids": True},
+    )
+    text = default_tokenizer().decode(reply.model_dump()["prompt_token_ids"])
+    assert text == "<｜begin▁of▁sentence｜><｜User｜>hi" + prompt_end
+    models = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == ["ds4", "deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner"]
 
 
 def test_chat_renders_tools_and_tool_history(openai_client, captured) -> None:

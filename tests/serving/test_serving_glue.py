@@ -231,6 +231,9 @@ def test_serve_command_gets_the_serving_flags_once(tmp_path: Path) -> None:
         model_dir,
         "--served-model-name",
         "ds4",
+        "deepseek-v4-flash",
+        "deepseek-chat",
+        "deepseek-reasoner",
         "--middleware",
         DS4_MIDDLEWARE,
         "--enable-auto-tool-choice",
@@ -312,3 +315,14 @@ def test_ds4_tokenizer_truncates_from_the_configured_side(hf_and_ds4) -> None:
     ids = default_tokenizer().encode(TEXTS[0])
     assert tok.encode(TEXTS[0], truncation=True, max_length=2) == ids[-2:]
     assert tok(TEXTS[0], truncation=True, max_length=9)["input_ids"] == ids
+
+
+def test_a_ds4_gguf_file_is_also_served_under_the_engines_model_names(tmp_path: Path) -> None:
+    gguf = tmp_path / "DeepSeek-V4-Flash-IQ2XXS.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))  # is_ds4_model_arg reads the magic only
+    argv = rewrite_serve_argv(["serve", str(gguf)], lambda: "unused")
+    names = argv[argv.index("--served-model-name") + 1 : argv.index("--middleware")]
+    # vLLM's own default name (the path) first: clients that use it keep working.
+    assert names == [str(gguf), "deepseek-v4-flash", "deepseek-chat", "deepseek-reasoner"]
+    mine = rewrite_serve_argv(["serve", str(gguf), "--served-model-name", "flash"], lambda: "unused")
+    assert mine.count("--served-model-name") == 1 and mine[mine.index("--served-model-name") + 1] == "flash"
