@@ -19,7 +19,7 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ds4_vllm.serving.request_body import post_path
+from ds4_vllm.serving.request_body import header_value, post_path
 from ds4_vllm.serving.request_outputs import DISK_TOKENS_PARAM, RequestRecorder, recording
 from ds4_vllm.serving.state import serving_state_of_app
 from ds4_vllm.serving.usage import USAGE_REWRITES, CacheUsage, EngineCounts
@@ -58,16 +58,18 @@ class Ds4UsageMiddleware:
 
 
 class Ds4Middleware:
-    """The one `--middleware` a ds4 server gets: usage rewriting around the raw-body keeper.
+    """The one `--middleware` a ds4 server gets: error shapes, usage rewriting, the raw-body keeper.
 
-    One entry, not two: vLLM's argument parser warns "Found duplicate keys --middleware" when
-    the flag repeats. The order is what two flags gave (the last one added is the outermost).
+    One entry, not three: vLLM's argument parser warns "Found duplicate keys --middleware" when
+    the flag repeats. Outermost first: error bodies are reshaped last (`error_shapes`), after
+    every inner layer, including the raw-body keeper's own 400s, has answered.
     """
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        from ds4_vllm.serving.error_shapes import ErrorShapeMiddleware
         from ds4_vllm.serving.request_body import RawRequestBodyMiddleware
 
-        self.app = Ds4UsageMiddleware(RawRequestBodyMiddleware(app))
+        self.app = ErrorShapeMiddleware(Ds4UsageMiddleware(RawRequestBodyMiddleware(app)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.app(scope, receive, send)
@@ -111,7 +113,7 @@ class UsageResponse:
             await self._send(message)
 
     async def _start_response(self, message: Message) -> None:
-        content_type = _header(message, b"content-type")
+        content_type = header_value(message, b"content-type")
         if message.get("status") != 200:
             self._mode = "pass"
         elif content_type.startswith(b"application/json"):
@@ -202,13 +204,6 @@ class UsageResponse:
             self._on_finished(cache)
         except Exception:  # counters are statistics: never fail the response for them
             logger.exception("ds4 usage counters: could not record a response")
-
-
-def _header(message: Message, name: bytes) -> bytes:
-    for key, value in message.get("headers", []):
-        if key.lower() == name:
-            return value.lower()
-    return b""
 
 
 def _drop_internal_params(obj: dict[str, Any]) -> bool:

@@ -98,6 +98,14 @@ def post_path(scope: Scope) -> str | None:
     return path.rstrip("/") or "/"
 
 
+def header_value(message: Message, name: bytes) -> bytes:
+    """A response header of an ASGI `http.response.start` message, lower-cased; b"" if absent."""
+    for key, value in message.get("headers", []):
+        if key.lower() == name:
+            return value.lower()
+    return b""
+
+
 def route_for(scope: Scope) -> Route | None:
     """The ds4 route of an ASGI scope (POST only; the app's root_path is not part of the route)."""
     path = post_path(scope)
@@ -154,7 +162,10 @@ def unparsable_body_problem(body: bytes) -> str | None:
 def error_body(route: Route | None, message: str) -> bytes:
     """A 400 body in the route's own error format (Anthropic's, or OpenAI's)."""
     if route is Route.ANTHROPIC:
-        error: dict[str, Any] = {"type": "error", "error": {"type": "BadRequestError", "message": message}}
+        error: dict[str, Any] = {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": message},
+        }
     else:
         error = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
     return json.dumps(error).encode()

@@ -25,8 +25,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +38,12 @@ from ds4_vllm.chat.tokenizer import default_tokenizer
 from ds4_vllm.kvc import open_checkpoint, text_sha1
 from ds4_vllm.model.kv_layout import frontier_tokens
 from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, shutdown_engine
-from tests.shared_data import ENGINE_TESTDATA, TINY_GGUF_MAKE_SH, require
+from tests.shared_data import ENGINE_TESTDATA, TINY_GGUF_MAKE_SH, make_engine_ggufs, require
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 #: DS4_ENGINE_TESTDATA points at another copy of the engine files (e.g. one with a file restored).
 TESTDATA = Path(os.environ.get("DS4_ENGINE_TESTDATA", ENGINE_TESTDATA))
-MAKE_SH = TINY_GGUF_MAKE_SH
 CTX = {"q2": 16384, "q4": 20000}  # the -c of the engine's runs (manifest "runs")
 NOPE_DIMS = 64  # head_dim 128 - n_rot 64: the dims that take the FP8 round trip
 EOS_ID = 1
@@ -132,7 +129,7 @@ TIE_GAP = 0.6  # Q2 repeats R1's body
 @pytest.fixture(scope="module")
 def manifest() -> dict:
     require(TESTDATA / "manifest.json", "the ds4 engine's test files")
-    require(MAKE_SH, "the tiny GGUF generator of the ds4 engine runs")
+    require(TINY_GGUF_MAKE_SH, "the tiny GGUF generator of the ds4 engine runs")
     return json.loads((TESTDATA / "manifest.json").read_text())
 
 
@@ -173,9 +170,7 @@ def requests(manifest: dict, files: dict[str, EngineFile]) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("ds4-engine-gguf")
-    subprocess.run(["bash", str(MAKE_SH), str(out), sys.executable], check=True, capture_output=True)
-    return {q: out / f"ds4-tiny-{q}.gguf" for q in ("q2", "q4")}
+    return make_engine_ggufs(tmp_path_factory.mktemp("ds4-engine-gguf"))
 
 
 # ---------------------------------------------------------------------------------------------

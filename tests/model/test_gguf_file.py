@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -22,11 +20,10 @@ from ds4_vllm.model.gguf_file import GGML_TO_QUANT_TYPE, Ds4GgufError, Ds4GgufFi
 from ds4_vllm.model.gguf_tokenizer import build_tokenizer
 from ds4_vllm.model.quant import QuantizedWeight
 from ds4_vllm.model.tiny_gguf import tiny_gguf_file, write_tiny_gguf
-from tests.shared_data import ENGINE_TESTDATA, TINY_GGUF_MAKE_SH, require
+from tests.shared_data import ENGINE_TESTDATA, make_engine_ggufs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: shared/ sits beside the repo (CI clones it there), as for the kvc real-file tests.
-MAKE_SH = TINY_GGUF_MAKE_SH
 MANIFEST = ENGINE_TESTDATA / "manifest.json"
 QUANT_TO_GGML = {v: k for k, v in GGML_TO_QUANT_TYPE.items()}
 
@@ -34,10 +31,7 @@ QUANT_TO_GGML = {v: k for k, v in GGML_TO_QUANT_TYPE.items()}
 @pytest.fixture(scope="session")
 def engine_ggufs(tmp_path_factory) -> dict[str, Path]:
     """The two GGUFs the ds4 engine ran (make.sh checks their sha256 against the manifest)."""
-    require(MAKE_SH, "the tiny GGUF generator of the ds4 engine runs")
-    out = tmp_path_factory.mktemp("ds4-engine-gguf")
-    subprocess.run(["bash", str(MAKE_SH), str(out), sys.executable], check=True, capture_output=True)
-    return {"q2": out / "ds4-tiny-q2.gguf", "q4": out / "ds4-tiny-q4.gguf"}
+    return make_engine_ggufs(tmp_path_factory.mktemp("ds4-engine-gguf"))
 
 
 @pytest.fixture(scope="session")

@@ -92,7 +92,7 @@ def test_the_anthropic_route_answers_in_its_own_error_format(client) -> None:
     assert response.json() == {
         "type": "error",
         "error": {
-            "type": "BadRequestError",
+            "type": "invalid_request_error",
             "message": f"request body: not valid UTF-8 at byte offset {BAD_AT}",
         },
     }

@@ -432,3 +432,45 @@ def test_engine_tool_call_history_matches_up_to_the_replayed_block(server, manif
     assert files
     for file_text in files:
         assert file_text[:block_at] == text[:block_at]
+
+
+#: Over the 8,192-token context on its own (about 9,000 tokens).
+OVER_THE_CONTEXT = "word " * 9000
+
+
+def test_anthropic_sdk_errors_are_anthropics(anthropic_client) -> None:
+    """Issue 20: /v1/messages answered errors in OpenAI's shape or with Python exception names."""
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as too_long:
+        anthropic_client.messages.create(
+            model="ds4", max_tokens=4, messages=[{"role": "user", "content": OVER_THE_CONTEXT}]
+        )
+    assert too_long.value.body["type"] == "error"
+    assert too_long.value.body["error"]["type"] == "invalid_request_error"
+    # The wording Anthropic clients match before they compact the conversation.
+    assert re.fullmatch(
+        r"prompt is too long: \d+ tokens > 8192 maximum", too_long.value.body["error"]["message"]
+    )
+    with pytest.raises(anthropic.NotFoundError) as no_model:
+        anthropic_client.messages.create(
+            model="nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert no_model.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as invalid:
+        anthropic_client.messages.create(
+            model="ds4", max_tokens="x", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert invalid.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in invalid.value.body["error"]["message"]
+
+
+def test_openai_sdk_sees_context_length_exceeded(openai_client) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as too_long:
+        openai_client.chat.completions.create(
+            model="ds4", max_tokens=4, messages=[{"role": "user", "content": OVER_THE_CONTEXT}]
+        )
+    assert too_long.value.code == "context_length_exceeded"
+    assert too_long.value.body["param"] == "messages"
