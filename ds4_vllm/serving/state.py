@@ -89,25 +89,23 @@ class ServingState:
         from ds4_vllm.store.options import local_path
 
         options, _ = store_options(vllm_config)
+        fs = open_fs(options.directory)
+        memory = ToolMemory(options.tool_memory_max_ids, checkpoints=fs)
+        loaded = memory.load_directory()
+        logger.info("tool memory: %d tool-call ids loaded from %s (cap %d)", loaded, fs.url, memory.max_ids)
         if options.is_local:
             directory = local_path(options.directory)
-            memory = ToolMemory(options.tool_memory_max_ids, directory=directory)
-            loaded = memory.load_directory()
-            logger.info(
-                "tool memory: %d tool-call ids loaded from %s (cap %d)", loaded, directory, memory.max_ids
-            )
             files = CheckpointPrefixes(directory, tokenizer) if tokenizer is not None else None
             index = CheckpointIndex(directory, keep_text=False)
             counters = UsageCounters(directory)
         else:  # fsspec URL: the index lists it remotely; no shared lock, so counters stay in memory
             logger.info(
-                "%s is not a local directory: tool-call ids are not reloaded at start-up, text reuse "
-                "covers this process's turns only, usage counters are in memory",
+                "%s is not a local directory: text reuse covers this process's turns only, usage "
+                "counters are in memory",
                 options.directory,
             )
-            memory = ToolMemory(options.tool_memory_max_ids)
             files = None
-            index = open_fs(options.directory).new_index()
+            index = fs.new_index()
             counters = UsageCounters(None)
         reuse = TextReuse(tokenizer, TokenMemory(tokenizer), files) if tokenizer is not None else None
         disk = DiskCacheView(str(options.directory), options.budget_bytes, index)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from ds4_vllm.kvc import (
     Checkpoint,
     CheckpointIndex,
+    ExtFlag,
     IndexEntry,
     KvcFormatError,
     KvcHeader,
@@ -54,6 +55,7 @@ from ds4_vllm.kvc.file import open_regular_file
 from ds4_vllm.kvc.header import unpack_prefix
 
 from .options import is_local_dir, local_path
+from .trailers import ListedCheckpoint, read_tool_map, tool_map_of_trailer, trailer_read_end, trailer_start
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,12 @@ class CheckpointFS(Protocol):
 
     def remove_marker(self, name: str) -> None:
         """Delete `leases/<name>`; a missing one is not an error."""
+
+    def list_checkpoints(self) -> list[ListedCheckpoint]:
+        """The `<sha1>.kv` regular files of the directory ([] when it does not exist)."""
+
+    def read_tool_map(self, path: str, max_bytes: int) -> list[tuple[str, str]] | None:
+        """A checkpoint's tool map (`ds4_vllm.store.trailers`); None when it is not a checkpoint."""
 
 
 class _DirectoryLock:
@@ -347,6 +355,27 @@ class LocalFS:
             os.unlink(self.directory / LEASE_DIR / name)
         except FileNotFoundError:
             pass
+
+    def list_checkpoints(self) -> list[ListedCheckpoint]:
+        try:
+            names = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            return []
+        out: list[ListedCheckpoint] = []
+        for name in names:
+            if not KV_NAME_RE.match(name):  # only checkpoints: ds4's scan takes <40 hex>.kv alone
+                continue
+            try:
+                st = os.stat(self.directory / name, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):  # a link is never followed out of the directory
+                path = str(self.directory / name)
+                out.append(ListedCheckpoint(name, path, (st.st_size, st.st_mtime_ns), st.st_mtime_ns))
+        return out
+
+    def read_tool_map(self, path: str, max_bytes: int) -> list[tuple[str, str]] | None:
+        return read_tool_map(path, max_bytes=max_bytes, check_name=True)
 
 
 class FsspecIndex(CheckpointIndex):
@@ -591,6 +620,51 @@ class FsspecFS:
             self.fs.rm_file(self._join(f"{LEASE_DIR}/{name}"))
         except FileNotFoundError:
             pass
+
+    def list_checkpoints(self) -> list[ListedCheckpoint]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            listing = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        out: list[ListedCheckpoint] = []
+        for info in listing:
+            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if info.get("type") != "file" or not KV_NAME_RE.match(name):
+                continue
+            listed = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+            order = _seconds(listed)
+            out.append(
+                ListedCheckpoint(name, str(info["name"]), (int(info.get("size") or 0), str(listed)), order)
+            )
+        return out
+
+    def read_tool_map(self, path: str, max_bytes: int) -> list[tuple[str, str]] | None:
+        """Three ranged reads: the prefix, the text (its SHA-1 must be the name), the trailer."""
+        try:
+            size = self.fs.size(path)
+            header, text_bytes = unpack_prefix(self.fs.cat_file(path, start=0, end=PREFIX_BYTES), size, path)
+            text = self.fs.cat_file(path, start=PREFIX_BYTES, end=PREFIX_BYTES + text_bytes)
+            if text_sha1(text) != path.rsplit("/", 1)[-1][:40].lower():
+                return None
+            if not header.ext_flags & ExtFlag.TOOL_MAP:
+                return []
+            at = trailer_start(header, text_bytes)
+            if at >= size:
+                return []
+            trailer = self.fs.cat_file(path, start=at, end=trailer_read_end(at, size, max_bytes))
+        except (OSError, KvcFormatError) as exc:
+            logger.debug("tool memory: skipping %s: %s", path, exc)
+            return None
+        return tool_map_of_trailer(trailer, path=path, max_bytes=max_bytes)
+
+
+def _seconds(listed: object) -> float:
+    """A listing's timestamp as seconds (s3fs gives datetimes, memory:// floats or datetimes)."""
+    if isinstance(listed, (int, float)):
+        return float(listed)
+    timestamp = getattr(listed, "timestamp", None)
+    return float(timestamp()) if callable(timestamp) else 0.0
 
 
 def open_fs(url: str, *, fsync: bool = True) -> CheckpointFS:

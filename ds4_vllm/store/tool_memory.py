@@ -12,8 +12,9 @@ block instead, so the next prompt stays a byte extension of the cached state.
   server (which answers with the ids) and the engine core (which writes the checkpoint holding the
   block, before the client has seen the ids) derive the same ids without talking to each other.
 - `tool_map_for_text` is the KTM writer's scan: the entries whose block appears in a checkpoint's
-  key text. `load_tool_maps` reads the trailers of a checkpoint directory back (at start-up, and
-  for ids another server wrote), without touching payloads.
+  key text. `ToolMemory.load_directory` reads the trailers of the store's checkpoints back (at
+  start-up, and for ids another server wrote) through the store's filesystem layer
+  (`ds4_vllm.store.trailers`), without touching payloads.
 """
 
 from __future__ import annotations
@@ -21,26 +22,19 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import mmap
-import os
 import secrets
-import stat
 import threading
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
-from ds4_vllm.kvc import ExtFlag, KvcFormatError, ToolMapEntry
-from ds4_vllm.kvc.constants import KTM_MAX_DSML_BYTES, KTM_MAX_ID_BYTES, KV_NAME_RE, PREFIX_BYTES
-from ds4_vllm.kvc.file import open_regular_file
-from ds4_vllm.kvc.header import unpack_prefix
-from ds4_vllm.kvc.trailer import parse_tool_map
+from ds4_vllm.kvc import ToolMapEntry
+from ds4_vllm.kvc.constants import KTM_MAX_DSML_BYTES, KTM_MAX_ID_BYTES
+
+from .trailers import TOOL_MEMORY_MAX_BYTES, CheckpointTrailers
 
 logger = logging.getLogger(__name__)
 
 #: DS4_TOOL_MEMORY_DEFAULT_MAX_IDS.
 DEFAULT_TOOL_MEMORY_MAX_IDS = 100_000
-#: DS4_TOOL_MEMORY_MAX_BYTES: the memory also stops growing at this much DSML.
-TOOL_MEMORY_MAX_BYTES = KTM_MAX_DSML_BYTES
 #: ds4's id prefixes (`random_tool_id`): Anthropic ids start with "toolu_", all others with "call_".
 OPENAI_ID_PREFIX = "call_"
 ANTHROPIC_ID_PREFIX = "toolu_"
@@ -129,19 +123,20 @@ class ToolMemory:
         max_ids: int = DEFAULT_TOOL_MEMORY_MAX_IDS,
         *,
         max_bytes: int = TOOL_MEMORY_MAX_BYTES,
-        directory: str | os.PathLike[str] | None = None,
+        checkpoints: CheckpointTrailers | None = None,
     ) -> None:
         if max_ids < 1:
             raise ValueError(f"--tool-memory-max-ids / tool_memory_max_ids: must be >= 1, got {max_ids}")
         self.max_ids = max_ids
         self.max_bytes = max_bytes
-        self.directory = Path(directory) if directory is not None else None
+        #: Where `load_directory` reads trailers: the store's filesystem (`ds4_vllm.store.fs`).
+        self.checkpoints = checkpoints
         self._entries: collections.OrderedDict[str, str] = collections.OrderedDict()  # oldest first
         self._blocks: dict[str, str] = {}  # one shared string per distinct block
         self._block_refs: collections.Counter[str] = collections.Counter()
         self._bytes = 0
         self._lock = threading.Lock()
-        self._scanned: dict[str, tuple[int, int]] = {}  # file name -> (size, mtime_ns) already read
+        self._scanned: dict[str, tuple[object, ...]] = {}  # file name -> listed stamp already read
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -214,35 +209,23 @@ class ToolMemory:
     def load_directory(self) -> int:
         """Read the KTM trailers of checkpoint files not read before (new or changed since).
 
-        Returns how many entries were taken. Only trailers are read, never payloads; unreadable
+        Returns how many entries were taken. Only trailers are read, never payloads, through the
+        store's filesystem layer (a local directory or an fsspec URL such as `s3://`); unreadable
         or foreign files are skipped: a bad trailer must not stop the server.
         """
-        if self.directory is None or not self.directory.is_dir():
+        if self.checkpoints is None:
             return 0
-        taken = 0
         try:
-            names = sorted(os.listdir(self.directory))
+            listed = self.checkpoints.list_checkpoints()
         except OSError as exc:
-            logger.warning("tool memory: cannot list %s: %s", self.directory, exc)
+            logger.warning("tool memory: cannot list %s: %s", self.checkpoints.url, exc)
             return 0
-        files: list[tuple[int, str, tuple[int, int]]] = []
-        for name in names:
-            if not KV_NAME_RE.match(name):  # only checkpoints: ds4's scan takes <40 hex>.kv alone
-                continue
-            try:
-                st = os.stat(self.directory / name, follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode):  # a link is never followed out of the directory
-                continue
-            stamp = (st.st_size, st.st_mtime_ns)
-            if self._scanned.get(name) == stamp:
-                continue
-            files.append((st.st_mtime_ns, name, stamp))
-        files.sort()  # oldest first, so the newest files' ids end up the most recent
-        for _, name, stamp in files:
-            entries = read_tool_map(self.directory / name, max_bytes=self.max_bytes, check_name=True)
-            self._scanned[name] = stamp
+        new = [c for c in listed if self._scanned.get(c.name) != c.stamp]
+        new.sort(key=lambda c: (c.order, c.name))  # oldest first: the newest files' ids end up most recent
+        taken = 0
+        for listed_file in new:
+            entries = self.checkpoints.read_tool_map(listed_file.path, self.max_bytes)
+            self._scanned[listed_file.name] = listed_file.stamp
             for tool_id, dsml in entries or ():
                 self.remember(tool_id, dsml)
                 taken += 1
@@ -255,40 +238,3 @@ class ToolMemory:
         if all(not i or i in self._entries for i in tool_ids):
             return 0
         return self.load_directory()
-
-
-def read_tool_map(
-    path: str | os.PathLike[str], *, max_bytes: int = TOOL_MEMORY_MAX_BYTES, check_name: bool = False
-) -> list[tuple[str, str]] | None:
-    """(id, DSML) pairs of one checkpoint's KTM trailer, read the way ds4's reader reads it (a bad
-    trailer is ignored, a bad entry ends it); None when the file is unreadable or not a checkpoint.
-
-    The file is memory-mapped and at most `max_bytes` of ids and DSML are copied out of it (an
-    entry past that ends the map, as a bad one does), whatever sizes the trailer claims. A link
-    is not followed. With `check_name` (the directory scan) a file whose name is not the SHA-1
-    of its text is not a checkpoint: None.
-    """
-    try:
-        with open(open_regular_file(path, follow_symlinks=False), "rb") as fp:
-            size = os.fstat(fp.fileno()).st_size
-            header, text_bytes = unpack_prefix(fp.read(PREFIX_BYTES), size, path)
-            if check_name and hashlib.sha1(fp.read(text_bytes)).hexdigest() != Path(path).name[:40].lower():
-                logger.debug("tool memory: skipping %s: its name is not the SHA-1 of its text", path)
-                return None
-            if not header.ext_flags & ExtFlag.TOOL_MAP:
-                return []
-            at = PREFIX_BYTES + text_bytes + header.payload_bytes
-            if at >= size:
-                return []
-            with mmap.mmap(fp.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                parsed = parse_tool_map(mm, at, size, path=path, strict=False, max_bytes=max_bytes)
-    except (OSError, KvcFormatError) as exc:
-        logger.debug("tool memory: skipping %s: %s", path, exc)
-        return None
-    out: list[tuple[str, str]] = []
-    for entry in parsed.entries:
-        try:
-            out.append((entry.tool_id.decode("utf-8"), entry.dsml.decode("utf-8", "surrogatepass")))
-        except UnicodeDecodeError:
-            continue  # the renderer works on text; an id or block that is not UTF-8 cannot be replayed
-    return out

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ds4_vllm.connector.tool_map import TOOL_IDS_KEY, TOOL_MAP_KEY, RequestToolMap
 from ds4_vllm.kvc import ToolMapEntry, open_checkpoint
+from ds4_vllm.store.fs import LocalFS
 from ds4_vllm.store.tool_memory import ToolMemory, new_seed, tool_call_id
 
 OLD = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="old">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
@@ -83,6 +84,6 @@ def test_written_trailer_reloads_into_a_fresh_memory(tmp_path: Path) -> None:
     path = write_checkpoint(tmp_path, text, header(len(tokens)), payload(tokens), entries, fsync=False)
     with open_checkpoint(path) as ck:
         assert ck.header.ext_flags & 1 and list(ck.tool_map.entries) == entries
-    memory = ToolMemory(directory=tmp_path)
+    memory = ToolMemory(checkpoints=LocalFS(tmp_path))
     assert memory.load_directory() == 3
     assert memory.lookup(tool_call_id(seed, NEW, 1)) == NEW and memory.lookup("call_old") == OLD

@@ -221,7 +221,7 @@ class ScanWorld:
             target.write_bytes(blob)
 
     def run(self, data: bytes) -> None:
-        from ds4_vllm.store.fs import QUARANTINE_DIR
+        from ds4_vllm.store.fs import QUARANTINE_DIR, LocalFS
         from ds4_vllm.store.tool_memory import ToolMemory
 
         self.reset()
@@ -253,7 +253,7 @@ class ScanWorld:
             if e.text is not None and e.path != self.good:
                 self.store.lookup(e.text, [0] * min(e.tokens, 64), CTX, 2)
         # The tool-id memory reads the trailers of the same directory (links and odd names skipped).
-        memory = ToolMemory(directory=self.store_dir, max_bytes=1 << 16)
+        memory = ToolMemory(checkpoints=LocalFS(self.store_dir), max_bytes=1 << 16)
         memory.load_directory()
         assert memory.nbytes <= 1 << 16 or len(memory) == 1
         out = self.store.lookup(self.good_text, self.good_tokens, CTX, 2)

@@ -19,7 +19,7 @@ from ds4_vllm.serving.state import (
     serving_state_of_engine,
 )
 from ds4_vllm.serving.tool_replay import TOOL_IDS_KEY, TOOL_MAP_KEY
-from ds4_vllm.store.tool_memory import read_tool_map
+from ds4_vllm.store.trailers import read_tool_map
 from tests.shared_data import ENGINE_TESTDATA, require
 
 ENGINE_FILES = ENGINE_TESTDATA / "q2"
@@ -62,7 +62,7 @@ def test_with_ds4disk_every_part_reads_the_directory(tmp_path: Path) -> None:
 
 def test_without_ds4disk_everything_is_this_process_only() -> None:
     state = ServingState.from_config(config(), default_tokenizer())
-    assert (state.disk, state.counters.persistent, state.tool_memory.directory) == (None, False, None)
+    assert (state.disk, state.counters.persistent, state.tool_memory.checkpoints) == (None, False, None)
     assert state.text_reuse is not None and state.text_reuse.files is None
     assert ServingState.from_config(config(), None).text_reuse is None  # vLLM without a tokenizer
     # No connector reads kv_transfer_params, and vLLM warns about every request that has them.

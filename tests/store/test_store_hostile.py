@@ -25,10 +25,11 @@ from ds4_vllm.kvc import KvcHeader, SaveReason, ToolMapEntry, checkpoint_name, t
 from ds4_vllm.kvc.constants import ExtFlag
 from ds4_vllm.store import CheckpointWriter, LoadFailure
 from ds4_vllm.store.checkpoint_store import CheckpointStore
-from ds4_vllm.store.fs import QUARANTINE_DIR
+from ds4_vllm.store.fs import QUARANTINE_DIR, LocalFS
 from ds4_vllm.store.model_identity import MODEL_MARKER
 from ds4_vllm.store.options import StoreConfigError, StoreOptions
-from ds4_vllm.store.tool_memory import ToolMemory, read_tool_map
+from ds4_vllm.store.tool_memory import ToolMemory
+from ds4_vllm.store.trailers import read_tool_map
 from tests.fuzz.crafted import TOKENS, base_file, crafted_files
 from tests.fuzz.seeds import CTX, NANO, NANO4, NOW, payload_data
 
@@ -143,7 +144,7 @@ def test_good_entry_is_loaded_through_a_directory_of_hostile_files(
     store.evict()  # eviction over the same directory neither crashes nor follows the link
     assert snapshot(outside) == before_outside
 
-    memory = ToolMemory(directory=store_dir)
+    memory = ToolMemory(checkpoints=LocalFS(store_dir))
     memory.load_directory()
     assert memory.lookup("call_good") == "<invoke call_good/>"
     assert memory.lookup("call_outside") is None  # not read through the link
@@ -221,6 +222,7 @@ import numpy as np
 from ds4_vllm.kvc import KvcFormatError, open_checkpoint, parse_checkpoint, read_prefix, CheckpointIndex
 from ds4_vllm.store import CheckpointWriter
 from ds4_vllm.store.checkpoint_store import CheckpointStore
+from ds4_vllm.store.fs import LocalFS
 from ds4_vllm.store.options import StoreOptions
 from ds4_vllm.store.tool_memory import ToolMemory
 from tests.fuzz.seeds import NANO, NOW, CTX
@@ -250,7 +252,7 @@ store = CheckpointStore(options, model_dims=NANO, fsync=False, clock=lambda: NOW
 out = store.lookup(prompt_text, prompt_tokens, CTX, 2)
 with CheckpointWriter(store.fs, NANO).open_verified(out) as ck:
     loaded = len(ck.payload.tokens)
-ToolMemory(directory=store_dir).load_directory()
+ToolMemory(checkpoints=LocalFS(store_dir)).load_directory()
 control = "not tried"
 if sys.argv[4] == "limited":
     try:  # control: the limit bites, so the lines above really ran under it

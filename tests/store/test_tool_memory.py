@@ -10,15 +10,16 @@ import pytest
 from store_helpers import header, payload, toks
 
 from ds4_vllm.kvc import ToolMapEntry, open_checkpoint, write_checkpoint
+from ds4_vllm.store.fs import LocalFS
 from ds4_vllm.store.tool_memory import (
     ToolMemory,
     find_tool_blocks,
     new_seed,
     random_tool_id,
-    read_tool_map,
     tool_call_id,
     tool_map_for_text,
 )
+from ds4_vllm.store.trailers import read_tool_map
 from tests.shared_data import ENGINE_TESTDATA, require
 
 ENGINE_FILES = ENGINE_TESTDATA
@@ -140,13 +141,13 @@ def test_directory_reload_and_per_request_restore(tmp_path: Path) -> None:
     one = _put(tmp_path, "one" + BLOCK_A, [("call_a1", BLOCK_A), ("call_a2", BLOCK_A)])
     _put(tmp_path, "two" + BLOCK_B, [("call_b", BLOCK_B)], start=9)
     (tmp_path / "junk.kv").write_bytes(b"not a checkpoint")
-    memory = ToolMemory(directory=tmp_path)
+    memory = ToolMemory(checkpoints=LocalFS(tmp_path))
     assert memory.load_directory() == 3
     assert (memory.lookup("call_a2"), memory.lookup("call_b")) == (BLOCK_A, BLOCK_B)
     assert memory.load_directory() == 0  # files already read are not read again
 
     # another server sharing the directory writes a new file: a request naming an unknown id reads it
-    other = ToolMemory(directory=tmp_path)
+    other = ToolMemory(checkpoints=LocalFS(tmp_path))
     _put(tmp_path, "three" + BLOCK_B, [("call_c", BLOCK_B), ("call_d", BLOCK_B)], start=20)
     assert memory.restore(["call_a1", "call_b"]) == 0  # all known: the directory is not read
     assert memory.lookup("call_c") is None
@@ -162,3 +163,43 @@ def test_directory_reload_and_per_request_restore(tmp_path: Path) -> None:
     data[trailer_at] = ord("X")
     (tmp_path / "copy.kv").write_bytes(bytes(data))
     assert read_tool_map(tmp_path / "copy.kv") == []
+
+
+def test_the_engines_tool_ids_reload_from_an_s3_store_as_from_a_local_directory() -> None:
+    """Issue 20: tool ids were reloaded only from local directories. The engine's own q2 files,
+    uploaded to an S3-compatible server (moto on loopback) with s3fs as a user would, give the
+    same ids and blocks through the store's filesystem layer; a file another server writes later
+    is read on the request that names its id; a corrupt trailer is skipped."""
+    import s3fs
+    from s3_server import moto_s3, new_bucket_url
+
+    from ds4_vllm.store.fs import FsspecFS
+
+    require(ENGINE_FILES / "q2", "the ds4 engine's test files")
+    local = ToolMemory(checkpoints=LocalFS(ENGINE_FILES / "q2"))
+    assert local.load_directory() == 10  # R1..R5 of the engine's run carried tool calls
+    with moto_s3():
+        url = new_bucket_url()
+        bucket = s3fs.S3FileSystem(skip_instance_cache=True)
+        for f in sorted((ENGINE_FILES / "q2").glob("*.kv")):
+            bucket.put_file(str(f), f"{url.removeprefix('s3://')}/{f.name}")
+        store = FsspecFS(url, skip_instance_cache=True)
+        remote = ToolMemory(checkpoints=store)
+        assert remote.load_directory() == 10
+        assert {i: remote.peek(i) for i in remote.ids()} == {i: local.peek(i) for i in local.ids()}
+        assert remote.load_directory() == 0  # listed stamps unchanged: nothing is read again
+
+        tokens = toks(8, 40)
+        text = ("four" + BLOCK_B).encode()
+        store.write(text, header(len(tokens)), payload(tokens), [ToolMapEntry(b"call_new", BLOCK_B.encode())])
+        assert remote.restore(["call_new"]) == 1 and remote.lookup("call_new") == BLOCK_B
+
+        corrupt = bytearray(
+            (ENGINE_FILES / "q2" / "2b43d1f7f98c90d5bae42da6047821c00bd0a972.kv").read_bytes()
+        )
+        corrupt[corrupt.rfind(b"KTM")] = ord("X")
+        name = "2b43d1f7f98c90d5bae42da6047821c00bd0a972.kv"
+        bucket.pipe_file(f"{url.removeprefix('s3://')}/{name}", bytes(corrupt))
+        assert store.read_tool_map(f"{url.removeprefix('s3://')}/{name}", 1 << 20) == []
+        # The engine's 10 entries less the corrupt file's one, plus the new file's one.
+        assert ToolMemory(checkpoints=store).load_directory() == 10 - 1 + 1
