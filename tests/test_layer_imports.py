@@ -1,7 +1,8 @@
 """The layers import one way only: every `import` in `ds4_vllm/` (function-level and TYPE_CHECKING
 ones too) is read from the source and checked against the layer table.
 
-`kvc` (the file format) imports nothing of ours; `store` only `kvc`; `chat` only `kvc`; `model` no
+`contracts` (names shared across processes) and `kvc` (the file format) import nothing of ours;
+every layer may use `contracts`; `store` only `kvc`; `chat` only `kvc`; `model` no
 store, connector or serving; `connector` no serving or cli; and no module inside a subpackage
 imports the package root `ds4_vllm` (its `__init__` is the plugin entry point, the top).
 The runtime checks that torch and vLLM stay out of the light layers are the per-layer
@@ -19,14 +20,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ds4_vllm"
 
 #: Subpackage -> the subpackages of ours it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
+    "contracts": frozenset(),
     "kvc": frozenset(),
-    "store": frozenset({"kvc"}),
-    "chat": frozenset({"kvc"}),
-    "model": frozenset({"kvc", "chat"}),
-    "connector": frozenset({"kvc", "store", "chat", "model"}),
-    "serving": frozenset({"kvc", "store", "chat", "model", "connector"}),
-    "cli": frozenset({"kvc", "store", "chat", "model", "connector", "serving"}),
-    "vllm_compat": frozenset({"kvc", "store", "chat", "model", "connector", "serving", "cli"}),
+    "store": frozenset({"contracts", "kvc"}),
+    "chat": frozenset({"contracts", "kvc"}),
+    "model": frozenset({"contracts", "kvc", "chat"}),
+    "connector": frozenset({"contracts", "kvc", "store", "chat", "model"}),
+    "serving": frozenset({"contracts", "kvc", "store", "chat", "model", "connector"}),
+    "cli": frozenset({"contracts", "kvc", "store", "chat", "model", "connector", "serving"}),
+    "vllm_compat": frozenset({"contracts", "kvc", "store", "chat", "model", "connector", "serving", "cli"}),
 }
 
 

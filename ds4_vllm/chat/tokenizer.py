@@ -22,16 +22,9 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
+from ds4_vllm.contracts import ASSISTANT, BOS, DSML, EOS, SPECIAL_TOKENS, THINK_END, THINK_START, USER
 
-#: The only strings the engine turns into special ids while tokenizing, in its match priority.
-SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML)
+__all__ = ["ASSISTANT", "BOS", "DSML", "EOS", "SPECIAL_TOKENS", "THINK_END", "THINK_START", "USER"]
 
 #: A vocabulary string holding U+FF5C is emitted verbatim when decoding (`ds4_token_text`).
 _FULLWIDTH_BAR = "\uff5c"

@@ -28,6 +28,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
 from ds4_vllm.connector.token_text import TokenText
 from ds4_vllm.connector.tool_map import RequestToolMap
+from ds4_vllm.contracts import ASSISTANT, DISK_TOKENS_PARAM, USER
 from ds4_vllm.kvc import KvcHeader, PayloadHeader, SaveReason, payload_size
 from ds4_vllm.model.config import routed_expert_quant_bits
 from ds4_vllm.model.kv_layout import Ds4KVLayout
@@ -44,12 +45,6 @@ from ds4_vllm.store import (
 )
 
 logger = logging.getLogger(__name__)
-
-#: The `kv_transfer_params` key of a finished request's disk-loaded prompt tokens (the name
-#: `ds4_vllm.serving.request_outputs.DISK_TOKENS_PARAM` reads; the connector does not import serving).
-DISK_TOKENS_PARAM = "ds4_disk_tokens"
-USER_TOKEN = "<｜User｜>"
-ASSISTANT_TOKEN = "<｜Assistant｜>"
 
 
 @dataclass
@@ -83,8 +78,8 @@ class Ds4DiskScheduler:
         self.tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self.quant_bits = routed_expert_quant_bits(model_config.hf_config)
         self.token_text = TokenText.from_tokenizer_dir(model_config.tokenizer)
-        self.user_id = self.token_text.token_id(USER_TOKEN) or -1
-        self.assistant_id = self.token_text.token_id(ASSISTANT_TOKEN) or -1
+        self.user_id = self.token_text.token_id(USER) or -1
+        self.assistant_id = self.token_text.token_id(ASSISTANT) or -1
         self.store = CheckpointStore(
             options, model_dims=layout.dims, model_fingerprint=model_fingerprint
         ).open()

@@ -20,15 +20,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ds4_vllm.chat.dsml import parse_generated
+from ds4_vllm.contracts import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.kvc import ToolMapEntry
 from ds4_vllm.kvc.constants import KTM_MAX_ID_BYTES
 from ds4_vllm.store.tool_memory import OPENAI_ID_PREFIX, tool_call_id, tool_map_for_text
 
 logger = logging.getLogger(__name__)
-
-#: The `kv_transfer_params` keys, as `ds4_vllm.serving.tool_replay` writes them.
-TOOL_IDS_KEY = "ds4_tool_ids"
-TOOL_MAP_KEY = "ds4_tool_map"
 
 
 class RequestToolMap:

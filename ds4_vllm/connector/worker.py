@@ -27,9 +27,9 @@ import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
+from ds4_vllm.contracts import STEP_HIDDEN_KEY
 from ds4_vllm.kvc import PayloadData, PayloadHeader, SaveReason
 from ds4_vllm.model.kv_layout import Ds4KVLayout, StateUnavailable
-from ds4_vllm.model.model import STEP_HIDDEN_KEY
 from ds4_vllm.store import (
     CheckpointWriter,
     LoadFailure,

@@ -16,6 +16,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
+from ds4_vllm.contracts import STEP_HIDDEN_KEY
 from ds4_vllm.model.attention import Ds4Attention
 from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheMetadata
 from ds4_vllm.model.layers import HyperConnection, HyperHead, MoE, RMSNorm, ShardedEmbedding
@@ -63,10 +64,6 @@ class Ds4Model(nn.Module):
         for layer in self.layers:
             streams = layer(streams, positions, input_ids, metadata)
         return self.norm(self.hc_head(streams))
-
-
-#: Key of this step's `StepHidden` in the forward context's `additional_kwargs`.
-STEP_HIDDEN_KEY = "ds4_step_hidden"
 
 
 @dataclass

@@ -19,8 +19,9 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ds4_vllm.contracts import DISK_TOKENS_PARAM
 from ds4_vllm.serving.request_body import header_value, post_path
-from ds4_vllm.serving.request_outputs import DISK_TOKENS_PARAM, RequestRecorder, recording
+from ds4_vllm.serving.request_outputs import RequestRecorder, recording
 from ds4_vllm.serving.state import serving_state_of_app
 from ds4_vllm.serving.usage import USAGE_REWRITES, CacheUsage, EngineCounts
 

@@ -29,6 +29,7 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ds4_vllm.contracts import RESERVED_TRANSFER_KEYS
 from ds4_vllm.serving.request_context import serving_request
 
 Scope = MutableMapping[str, Any]
@@ -67,8 +68,6 @@ ROUTES: dict[str, Route] = {
 #: reserved keys are checked there, the body is not kept.
 CHECKED_ROUTES = frozenset({"/invocations", "/v1/chat/completions/batch"})
 
-#: `kv_transfer_params` keys only the server sets (`ds4_vllm.serving.tool_replay`, the connector).
-RESERVED_TRANSFER_KEYS = ("ds4_tool_ids", "ds4_tool_map", "ds4_disk_tokens")
 #: The engine's JSON_MAX_NESTING (`ds4_vllm.chat.json_text`), named when a body nests deeper.
 MAX_JSON_DEPTH = 256
 #: FastAPI's answer to a body `json.loads` raises other than JSONDecodeError on.

@@ -18,13 +18,10 @@ import functools
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
+from ds4_vllm.contracts import DISK_TOKENS_PARAM
 from ds4_vllm.serving.request_context import current_request, serving_request
 from ds4_vllm.serving.state import serving_state_of_engine
 from ds4_vllm.serving.usage import EngineCounts
-
-#: The `kv_transfer_params` key under which the ds4disk connector reports the prompt tokens it
-#: loaded from disk for a request (on the request's final output).
-DISK_TOKENS_PARAM = "ds4_disk_tokens"
 
 
 class RequestRecorder:

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ds4_vllm.contracts import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.store.tool_memory import (
     OPENAI_ID_PREFIX,
     ToolMemory,
@@ -36,10 +37,6 @@ from ds4_vllm.store.tool_memory import (
 )
 
 logger = logging.getLogger(__name__)
-
-#: `kv_transfer_params` keys: the id seed of this request's own calls, and the history's map.
-TOOL_IDS_KEY = "ds4_tool_ids"
-TOOL_MAP_KEY = "ds4_tool_map"
 
 
 def history_tool_ids(request: Any) -> list[str]:

@@ -34,15 +34,11 @@ from typing import Protocol
 
 import numpy as np
 
+from ds4_vllm.contracts import ASSISTANT, THINK_END, THINK_START
 from ds4_vllm.kvc import CheckpointIndex, KvcFormatError, open_checkpoint
 
 logger = logging.getLogger(__name__)
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
 
 #: A reuse shorter than this many tokens is not worth leaving the canonical tokenization for.
 DEFAULT_MIN_TOKENS = 16

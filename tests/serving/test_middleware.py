@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds4_vllm.connector.scheduler import DISK_TOKENS_PARAM as CONNECTOR_PARAM
+from ds4_vllm.contracts import DISK_TOKENS_PARAM
 from ds4_vllm.serving.middleware import Ds4UsageMiddleware
-from ds4_vllm.serving.request_outputs import DISK_TOKENS_PARAM, record_outputs, recording
+from ds4_vllm.serving.request_outputs import record_outputs, recording
 from ds4_vllm.serving.state import ServingState
 from ds4_vllm.serving.usage_counters import UsageCounters, UsageTotals
 
@@ -207,7 +207,3 @@ def test_recorder_ties_outputs_to_the_http_request_and_closing_reaches_vllm() ->
     counts = asyncio.run(run())
     assert closed == ["closed"]
     assert (counts.prompt_tokens, counts.cached_tokens) == (604, 603)
-
-
-def test_connector_and_serving_agree_on_the_param_name() -> None:
-    assert CONNECTOR_PARAM == DISK_TOKENS_PARAM

@@ -18,9 +18,9 @@ from vllm.parser.parser_manager import ParserManager
 from ds4_vllm.chat.chat_request import render_chat_completion
 from ds4_vllm.chat.messages import ToolCall as RenderCall
 from ds4_vllm.chat.tokenizer import THINK_END, THINK_START, default_tokenizer
+from ds4_vllm.contracts import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.serving.parsers import register_parsers
 from ds4_vllm.serving.state import ServingState, register_for_tokenizer, serving_state_for_tokenizer
-from ds4_vllm.serving.tool_replay import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.store.tool_memory import ToolMemory, tool_call_id
 
 P = "</｜DSML｜parameter>"

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ds4_vllm.chat.tokenizer import default_tokenizer
+from ds4_vllm.contracts import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.serving.request_outputs import record_outputs
 from ds4_vllm.serving.state import (
     ServingState,
@@ -18,7 +19,6 @@ from ds4_vllm.serving.state import (
     serving_state_of_app,
     serving_state_of_engine,
 )
-from ds4_vllm.serving.tool_replay import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.store.trailers import read_tool_map
 from tests.shared_data import ENGINE_TESTDATA, require
 
