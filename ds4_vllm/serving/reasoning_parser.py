@@ -2,10 +2,17 @@
 blocks, Responses reasoning items, which vLLM builds from it).
 
 The ds4 engine's rule (`split_reasoning_content`): a leading `<think>` is dropped and the text
-splits at the first `</think>`; an answer without `</think>` is all content. Whether thinking is on
-is not guessed from request fields: the rendered prompt says it (it ends with `<think>` when on,
-`</think>` when off; `ds4_vllm.chat.thinking.resolve_think_mode` decides), so streaming starts in
-reasoning exactly when the prompt's last think tag is `<think>`.
+splits at the first `</think>`. Whether thinking is on is not guessed from request fields: the
+rendered prompt says it (it ends with `<think>` when on, `</think>` when off;
+`ds4_vllm.chat.thinking.resolve_think_mode` decides), so an answer starts in reasoning exactly
+when the prompt's last think tag is `<think>`.
+
+An answer cut (by `max_tokens`) before its `</think>` is reasoning, streamed or not, and all its
+tokens count as `reasoning_tokens`. The engine's non-streaming reply calls such text content
+while its stream sends it as reasoning; one classification is what clients can rely on (issue 20).
+vLLM gives the parser the prompt only when streaming; the renderer notes it for the others
+(`ds4_vllm.serving.request_context.PromptFacts`). Outside an HTTP request (no note) the engine's
+non-streaming rule applies: no `</think>`, all content.
 """
 
 from __future__ import annotations
@@ -18,7 +25,13 @@ from vllm.reasoning.abs_reasoning_parsers import ReasoningParser
 
 from ds4_vllm.chat.dsml import split_reasoning
 from ds4_vllm.chat.tokenizer import THINK_END, THINK_START
+from ds4_vllm.serving.request_context import current_request
 from ds4_vllm.serving.tool_parser import keep_special_tokens
+
+
+def _prompt_left_thinking_open() -> bool:
+    facts = current_request().prompt
+    return bool(facts is not None and facts.think_open)
 
 
 class Ds4ReasoningParser(ReasoningParser):
@@ -63,11 +76,17 @@ class Ds4ReasoningParser(ReasoningParser):
         return input_ids[len(input_ids) - input_ids[::-1].index(self.think_end_id) :]
 
     def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
-        """Tokens before the first `</think>` (none without one: such an answer is all content)."""
+        """Tokens before the first `</think>`; without one, all of them when the prompt left
+        thinking open (an answer cut while reasoning), else none."""
         ids = list(token_ids)
-        return ids.index(self.think_end_id) if self.think_end_id in ids else 0
+        if self.think_end_id in ids:
+            return ids.index(self.think_end_id)
+        return len(ids) if _prompt_left_thinking_open() else 0
 
     def extract_reasoning(self, model_output: str, request: Any) -> tuple[str | None, str | None]:
+        if THINK_END not in model_output and _prompt_left_thinking_open():
+            body = model_output.removeprefix(THINK_START)
+            return body or None, None
         reasoning, content = split_reasoning(model_output)
         return reasoning, content or None
 

@@ -47,7 +47,7 @@ from ds4_vllm.chat.template import RenderedPrompt, completion_prompt_text
 
 from .request_body import RawRequest, Route
 from .request_checks import check_tool_history
-from .request_context import current_request
+from .request_context import current_request, note_prompt
 from .state import ServingState, register_for_tokenizer
 from .tokenizer import Ds4HfTokenizer
 
@@ -206,6 +206,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         return body
 
     def _prompt(self, rendered: RenderedPrompt) -> tuple[list[ConversationMessage], DictPrompt]:
+        note_prompt(rendered.text)
         ids = self.encode_prompt(rendered.text)
         return _conversation(rendered), {"prompt_token_ids": ids, "prompt": rendered.text}  # type: ignore[return-value]
 
@@ -246,6 +247,7 @@ class Ds4Renderer(BaseRenderer[Ds4HfTokenizer]):
         except RenderError as exc:
             raise VLLMValidationError(str(exc)) from None
         wrapped = completion_prompt_text(text, think_mode)
+        note_prompt(wrapped)
         return {**prompt, "prompt": wrapped, "prompt_token_ids": self.encode_prompt(wrapped)}  # type: ignore[return-value]
 
     def render_prompt(self, prompt: DictPrompt | bytes) -> DictPrompt:

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ds4_vllm.contracts import RESERVED_TRANSFER_KEYS
-from ds4_vllm.serving.request_context import serving_request
+from ds4_vllm.serving.request_context import PromptFacts, serving_request
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -228,5 +228,5 @@ class RawRequestBodyMiddleware:
         if route is None:  # a checked-only route: the body is not rendered by ds4
             await self.app(scope, receive_again, send)
             return
-        with serving_request(raw=RawRequest(route, scope.get("path", ""), body)):
+        with serving_request(raw=RawRequest(route, scope.get("path", ""), body), prompt=PromptFacts()):
             await self.app(scope, receive_again, send)

@@ -8,7 +8,10 @@ read with `current_request()`:
   (`RawRequestBodyMiddleware`, `ds4_vllm.serving.request_body`); read by the renderer;
 - `recorder`: what the engine reported for the request's engine requests (opened by
   `Ds4UsageMiddleware`, filled by the `AsyncLLM.generate` hook, `ds4_vllm.serving.request_outputs`);
-  read by the usage rewrite.
+  read by the usage rewrite;
+- `prompt`: what the renderer learned of the prompt it rendered (`PromptFacts`: whether it ends
+  inside `<think>`), read by the reasoning parser, which vLLM does not give the prompt on
+  non-streaming routes.
 
 FastAPI runs the route handler in the middleware's task, and everything vLLM awaits from it
 (asyncio tasks, a streaming body) gets a copy of that context, so each request sees its own, with
@@ -25,9 +28,19 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ds4_vllm.contracts import THINK_END, THINK_START
+
 if TYPE_CHECKING:
     from ds4_vllm.serving.request_body import RawRequest
     from ds4_vllm.serving.request_outputs import RequestRecorder
+
+
+@dataclasses.dataclass(slots=True)
+class PromptFacts:
+    """Filled by the renderer once it rendered the request's prompt."""
+
+    #: The prompt's last think tag is `<think>`: the answer starts in reasoning.
+    think_open: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,10 +49,18 @@ class RequestContext:
 
     raw: RawRequest | None = None
     recorder: RequestRecorder | None = None
+    prompt: PromptFacts | None = None
 
 
 _OUTSIDE = RequestContext()
 _CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("ds4_request", default=None)
+
+
+def note_prompt(text: str) -> None:
+    """Record what the reasoning parser needs of the prompt just rendered for this request."""
+    facts = current_request().prompt
+    if facts is not None:
+        facts.think_open = text.rfind(THINK_START) > text.rfind(THINK_END)
 
 
 def current_request() -> RequestContext:

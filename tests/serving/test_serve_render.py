@@ -474,3 +474,42 @@ def test_openai_sdk_sees_context_length_exceeded(openai_client) -> None:
         )
     assert too_long.value.code == "context_length_exceeded"
     assert too_long.value.body["param"] == "messages"
+
+
+def test_reasoning_cut_by_max_tokens_is_reasoning_streamed_or_not(openai_client, anthropic_client) -> None:
+    """Issue 20: an answer cut before `</think>` came back as content when not streamed and as
+    reasoning when streamed, with reasoning_tokens 0. Now it is reasoning both ways, every token
+    of it counted (greedy, so both runs produce the same 6 tokens)."""
+    args = dict(
+        model="deepseek-reasoner", max_tokens=6, temperature=0, messages=[{"role": "user", "content": "hi"}]
+    )
+    whole = openai_client.chat.completions.create(**args, extra_body={"return_token_ids": True})
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and "</think>" not in default_tokenizer().decode(
+        choice.model_dump()["token_ids"]
+    )
+    reasoning = choice.message.model_dump()["reasoning"]
+    assert reasoning and not choice.message.content
+    assert whole.usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens == 6
+
+    streamed_reasoning, streamed_content, usage = "", "", None
+    for chunk in openai_client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            delta = c.delta.model_dump()
+            streamed_reasoning += delta.get("reasoning") or ""
+            streamed_content += delta.get("content") or ""
+    assert (streamed_reasoning, streamed_content) == (reasoning, "")
+    assert usage is not None and usage.completion_tokens_details.reasoning_tokens == 6
+
+    message = anthropic_client.messages.create(
+        model="deepseek-reasoner",  # thinking on, as the engine selects it for this name
+        max_tokens=6,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "hi"}],
+    )
+    assert message.stop_reason == "max_tokens"
+    assert [block.type for block in message.content] == ["thinking"]
