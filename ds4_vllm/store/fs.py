@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +29,6 @@ from ds4_vllm.kvc import (
     Checkpoint,
     CheckpointIndex,
     ExtFlag,
-    IndexEntry,
     KvcFormatError,
     KvcHeader,
     ToolMapEntry,
@@ -53,6 +53,7 @@ from ds4_vllm.kvc.constants import (
 )
 from ds4_vllm.kvc.file import open_regular_file
 from ds4_vllm.kvc.header import unpack_prefix
+from ds4_vllm.kvc.index import UNREADABLE, FileHead, Listed
 
 from .options import is_local_dir, local_path
 from .trailers import ListedCheckpoint, read_tool_map, tool_map_of_trailer, trailer_read_end, trailer_start
@@ -378,49 +379,42 @@ class LocalFS:
         return read_tool_map(path, max_bytes=max_bytes, check_name=True)
 
 
-class FsspecIndex(CheckpointIndex):
-    """`CheckpointIndex` over an fsspec filesystem: same entries and lookup, listing via `fs.ls`.
+def remote_checkpoints(fs: Any, root: str) -> list[tuple[str, str, int, object]]:
+    """(name, path, size, listed timestamp) of the `<sha1>.kv` objects under `root`.
 
-    Files are re-read when their listed size or timestamp changes. Every refresh drops the
-    filesystem's listing cache first: s3fs keeps listings forever by default, and files other
-    servers wrote would never show up.
+    Drops the filesystem's listing cache first: s3fs keeps listings forever by default, and
+    files other servers wrote would never show up.
     """
+    fs.invalidate_cache(root)
+    try:
+        listing = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return []
+    out: list[tuple[str, str, int, object]] = []
+    for info in listing:
+        name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+        if info.get("type") == "file" and KV_NAME_RE.match(name):
+            stamp = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+            out.append((name, str(info["name"]), int(info.get("size") or 0), stamp))
+    return out
+
+
+class FsspecLister:
+    """`CheckpointIndex`'s lister over an fsspec filesystem (`remote_checkpoints`; two ranged
+    reads per new or changed file). Files are re-read when their listed size or timestamp changes."""
 
     def __init__(self, fs: Any, root: str) -> None:
-        super().__init__(root)
         self._fs = fs
         self._root = root
 
-    def refresh(self, *, restat: bool = True):  # type: ignore[override]  # a listing has every stamp
-        from ds4_vllm.kvc import RefreshStats
+    def listing(self, known: Mapping[str, tuple[Path, int]], *, restat: bool) -> list[Listed] | None:
+        out: list[Listed] = []
+        for name, path, size, stamp in remote_checkpoints(self._fs, self._root):
+            read = functools.partial(self._read, Path(path), size, hash(str(stamp)))
+            out.append(Listed(name, Path(path), 0, (size, hash(str(stamp))), read))
+        return out
 
-        added = changed = invalid = 0
-        self._fs.invalidate_cache(self._root)
-        try:
-            listing = self._fs.ls(self._root, detail=True)
-        except FileNotFoundError:
-            listing = []
-        seen: set[Path] = set()
-        for info in listing:
-            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-            if info.get("type") != "file" or not KV_NAME_RE.match(name):
-                continue
-            path = Path(info["name"])
-            seen.add(path)
-            stamp = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
-            sig = (int(info.get("size") or 0), hash(str(stamp)), 0, 0)
-            outcome = self._update(
-                path, sig, lambda p=path, n=name, s=sig: self._read_remote(p, n, s[0], s[1])
-            )
-            if outcome is not None:
-                added += outcome[0] == "added"
-                changed += outcome[0] == "changed"
-                invalid += outcome[1]
-                if self._invalid.get(path, "").startswith("unreadable"):
-                    del self._sigs[path]  # a backend failure, not the file: read it again next time
-        return RefreshStats(added, changed, self._drop_unseen(seen), invalid)
-
-    def _read_remote(self, path: Path, name: str, size: int, stamp: int) -> IndexEntry | str:
+    def _read(self, path: Path, size: int, stamp: int) -> FileHead | str:
         try:
             head = self._fs.cat_file(str(path), start=0, end=PREFIX_BYTES)
             header, text_bytes = unpack_prefix(head, size, path)
@@ -428,13 +422,11 @@ class FsspecIndex(CheckpointIndex):
         except KvcFormatError as exc:
             return f"{exc.field}: {exc.reason}"
         except OSError as exc:
-            return f"unreadable: {exc}"
+            return f"{UNREADABLE}: {exc}"
         if len(text) != text_bytes:
             return "text: truncated cached text"
-        if text_sha1(text) != name[:40].lower():
-            return "file_name: text SHA-1 is not the name's"
         # The listing's timestamp stands in for mtime_ns: it changes when the object is rewritten.
-        return IndexEntry(path, name[:40].lower(), header, text_bytes, size, stamp, text)
+        return FileHead(header, text, size, stamp)
 
 
 class GuardedBackend:
@@ -553,7 +545,7 @@ class FsspecFS:
         return None
 
     def new_index(self) -> CheckpointIndex:
-        return FsspecIndex(self.fs, self.root)
+        return CheckpointIndex(self.root, lister=FsspecLister(self.fs, self.root))
 
     def path_of(self, sha1: str) -> str:
         return self._join(f"{sha1}{KV_SUFFIX}")
@@ -622,22 +614,10 @@ class FsspecFS:
             pass
 
     def list_checkpoints(self) -> list[ListedCheckpoint]:
-        self.fs.invalidate_cache(self.root)
-        try:
-            listing = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return []
-        out: list[ListedCheckpoint] = []
-        for info in listing:
-            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-            if info.get("type") != "file" or not KV_NAME_RE.match(name):
-                continue
-            listed = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
-            order = _seconds(listed)
-            out.append(
-                ListedCheckpoint(name, str(info["name"]), (int(info.get("size") or 0), str(listed)), order)
-            )
-        return out
+        return [
+            ListedCheckpoint(name, path, (size, str(stamp)), _seconds(stamp))
+            for name, path, size, stamp in remote_checkpoints(self.fs, self.root)
+        ]
 
     def read_tool_map(self, path: str, max_bytes: int) -> list[tuple[str, str]] | None:
         """Three ranged reads: the prefix, the text (its SHA-1 must be the name), the trailer."""

@@ -347,3 +347,46 @@ def test_young_directory_is_listed_again(tmp_path: Path, monkeypatch: pytest.Mon
     idx.refresh(restat=False)
     idx.refresh(restat=False)
     assert calls == {"listings": 2, "stats": 0}
+
+
+def test_the_table_cannot_be_changed_behind_the_lookup_structures() -> None:
+    """Issue 22: the table was a dict subclass whose update()/setdefault()/popitem() bypassed
+    the sorted texts. It wraps a dict now: those methods do not exist."""
+    from ds4_vllm.kvc.entry_table import EntryTable
+
+    table = EntryTable(trust_text=True)
+    for method in ("update", "setdefault", "popitem"):
+        assert not hasattr(table, method), method
+
+
+def test_an_excluded_whole_text_match_is_explained_as_set_aside(tmp_path: Path) -> None:
+    """One filter rule for the search, the counts and the miss explanation."""
+    f = store(tmp_path, PROMPT[:30], tokens=8)
+    idx = index_of(tmp_path)
+    res = idx.lookup(PROMPT, exclude={f})
+    assert res.hit is None and res.skipped == {"set_aside": 1}
+    assert res.nearest is not None and res.nearest.path == f and res.diverge_at == 30
+    assert res.nearest_skip is not None and res.nearest_skip.startswith("set_aside")
+
+
+def test_an_unreadable_file_is_read_again_at_the_next_refresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read error (EIO, a backend outage) is not the file's fault: it is not remembered."""
+    import errno
+
+    import ds4_vllm.kvc.index as index_mod
+
+    f = store(tmp_path, PROMPT[:30], tokens=8)
+    real = index_mod.read_prefix
+
+    def failing(path, **kw):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(index_mod, "read_prefix", failing)
+    idx = CheckpointIndex(tmp_path)
+    idx.refresh()
+    assert idx.invalid[f] == "unreadable: Input/output error" and len(idx) == 0
+    monkeypatch.setattr(index_mod, "read_prefix", real)
+    idx.refresh()
+    assert len(idx) == 1 and f not in idx.invalid
