@@ -28,7 +28,6 @@ from typing import Any, Protocol
 from ds4_vllm.kvc import (
     Checkpoint,
     CheckpointIndex,
-    ExtFlag,
     KvcFormatError,
     KvcHeader,
     ToolMapEntry,
@@ -38,7 +37,6 @@ from ds4_vllm.kvc import (
     open_checkpoint,
     parse_checkpoint,
     read_prefix,
-    text_sha1,
     touch_checkpoint,
     write_checkpoint,
 )
@@ -56,7 +54,7 @@ from ds4_vllm.kvc.header import unpack_prefix
 from ds4_vllm.kvc.index import UNREADABLE, FileHead, Listed
 
 from .options import is_local_dir, local_path
-from .trailers import ListedCheckpoint, read_tool_map, tool_map_of_trailer, trailer_read_end, trailer_start
+from .trailers import ListedCheckpoint, read_tool_map, tool_map_of
 
 logger = logging.getLogger(__name__)
 
@@ -622,21 +620,16 @@ class FsspecFS:
     def read_tool_map(self, path: str, max_bytes: int) -> list[tuple[str, str]] | None:
         """Three ranged reads: the prefix, the text (its SHA-1 must be the name), the trailer."""
         try:
-            size = self.fs.size(path)
-            header, text_bytes = unpack_prefix(self.fs.cat_file(path, start=0, end=PREFIX_BYTES), size, path)
-            text = self.fs.cat_file(path, start=PREFIX_BYTES, end=PREFIX_BYTES + text_bytes)
-            if text_sha1(text) != path.rsplit("/", 1)[-1][:40].lower():
-                return None
-            if not header.ext_flags & ExtFlag.TOOL_MAP:
-                return []
-            at = trailer_start(header, text_bytes)
-            if at >= size:
-                return []
-            trailer = self.fs.cat_file(path, start=at, end=trailer_read_end(at, size, max_bytes))
+            return tool_map_of(
+                lambda start, end: self.fs.cat_file(path, start=start, end=end),
+                self.fs.size(path),
+                path,
+                max_bytes=max_bytes,
+                check_name=True,
+            )
         except (OSError, KvcFormatError) as exc:
             logger.debug("tool memory: skipping %s: %s", path, exc)
             return None
-        return tool_map_of_trailer(trailer, path=path, max_bytes=max_bytes)
 
 
 def _seconds(listed: object) -> float:

@@ -4,19 +4,20 @@
 request names ids another server handed out. It reads them through the store's filesystem layer
 (`ds4_vllm.store.fs`: `list_checkpoints` and `read_tool_map`, the `CheckpointTrailers` protocol),
 so a local directory and an `s3://` store reload the same ids. The two readers here are the
-local one (memory-mapped, no link followed) and the one over bytes fetched by ranged reads.
+local one (memory-mapped, no link followed) and ranged reads of a remote object, both through
+`tool_map_of`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from ds4_vllm.kvc import ExtFlag, KvcFormatError, KvcHeader
+from ds4_vllm.kvc import ExtFlag, KvcFormatError, text_sha1
 from ds4_vllm.kvc.constants import (
     KTM_ENTRY_HEADER_BYTES,
     KTM_HEADER_BYTES,
@@ -66,51 +67,61 @@ def decoded_entries(parsed: ToolMap) -> list[tuple[str, str]]:
     return out
 
 
-def trailer_start(header: KvcHeader, text_bytes: int) -> int:
-    """Where a checkpoint's trailer begins (the end of its payload)."""
-    return PREFIX_BYTES + text_bytes + header.payload_bytes
+def tool_map_of(
+    read: Callable[[int, int], bytes | memoryview], size: int, path: str, *, max_bytes: int, check_name: bool
+) -> list[tuple[str, str]]:
+    """(id, DSML) pairs of a checkpoint's KTM trailer, read the way ds4's reader reads it (a bad
+    trailer is ignored, a bad entry ends it), from `read(start, end)` of a file of `size` bytes.
+
+    Reads the prefix, the text only with `check_name` (a file whose name is not the SHA-1 of its
+    text is not a checkpoint: KvcFormatError), and the trailer up to where the reader could stop;
+    at most `max_bytes` of ids and DSML are copied, whatever sizes the trailer claims.
+    """
+    header, text_bytes = unpack_prefix(bytes(read(0, PREFIX_BYTES)), size, path)
+    if check_name:
+        sha = text_sha1(bytes(read(PREFIX_BYTES, PREFIX_BYTES + text_bytes)))
+        if sha != Path(path).name[:40].lower():
+            raise KvcFormatError(path, PREFIX_BYTES, "file_name", f"text SHA-1 is {sha}, not the name's")
+    if not header.ext_flags & ExtFlag.TOOL_MAP:
+        return []
+    at = PREFIX_BYTES + text_bytes + header.payload_bytes
+    if at >= size:
+        return []
+    trailer = read(at, trailer_read_end(at, size, max_bytes))
+    return decoded_entries(
+        parse_tool_map(trailer, 0, len(trailer), path=path, strict=False, max_bytes=max_bytes)
+    )
 
 
 def read_tool_map(
     path: str | os.PathLike[str], *, max_bytes: int = TOOL_MEMORY_MAX_BYTES, check_name: bool = False
 ) -> list[tuple[str, str]] | None:
-    """(id, DSML) pairs of one local checkpoint's KTM trailer, read the way ds4's reader reads it
-    (a bad trailer is ignored, a bad entry ends it); None when the file is unreadable or not a
-    checkpoint.
-
-    The file is memory-mapped and at most `max_bytes` of ids and DSML are copied out of it (an
-    entry past that ends the map, as a bad one does), whatever sizes the trailer claims. A link
-    is not followed. With `check_name` (the directory scan) a file whose name is not the SHA-1
-    of its text is not a checkpoint: None.
-    """
+    """`tool_map_of` a local file, memory-mapped (nothing copied but the entries taken); None
+    when it is unreadable or not a checkpoint. A link is not followed."""
     try:
         with open(open_regular_file(path, follow_symlinks=False), "rb") as fp:
             size = os.fstat(fp.fileno()).st_size
-            header, text_bytes = unpack_prefix(fp.read(PREFIX_BYTES), size, path)
-            if check_name and hashlib.sha1(fp.read(text_bytes)).hexdigest() != Path(path).name[:40].lower():
-                logger.debug("tool memory: skipping %s: its name is not the SHA-1 of its text", path)
+            if size < PREFIX_BYTES:
+                unpack_prefix(fp.read(), size, path)  # raises: too short for a checkpoint
                 return None
-            if not header.ext_flags & ExtFlag.TOOL_MAP:
-                return []
-            at = trailer_start(header, text_bytes)
-            if at >= size:
-                return []
             with mmap.mmap(fp.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                parsed = parse_tool_map(mm, at, size, path=path, strict=False, max_bytes=max_bytes)
+                view = memoryview(mm)
+                try:
+                    return tool_map_of(
+                        lambda start, end: view[start:end],
+                        size,
+                        str(path),
+                        max_bytes=max_bytes,
+                        check_name=check_name,
+                    )
+                finally:
+                    view.release()
     except (OSError, KvcFormatError) as exc:
         logger.debug("tool memory: skipping %s: %s", path, exc)
         return None
-    return decoded_entries(parsed)
 
 
 def trailer_read_end(at: int, size: int, max_bytes: int) -> int:
     """Where a ranged read of a trailer at `at` can stop: past it the reader takes nothing (at
     most `max_bytes` of ids and DSML, each entry framed by 8 bytes, at most KTM_MAX_ENTRIES)."""
     return min(size, at + KTM_HEADER_BYTES + max_bytes + KTM_ENTRY_HEADER_BYTES * KTM_MAX_ENTRIES)
-
-
-def tool_map_of_trailer(trailer: bytes, *, path: str, max_bytes: int) -> list[tuple[str, str]]:
-    """(id, DSML) pairs of a trailer fetched as bytes (a ranged read of a remote object)."""
-    return decoded_entries(
-        parse_tool_map(trailer, 0, len(trailer), path=path, strict=False, max_bytes=max_bytes)
-    )
