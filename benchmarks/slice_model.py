@@ -46,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from ds4_vllm.model.config import DS4_ARCHITECTURE, Ds4Config  # noqa: E402
+from ds4_vllm.model.config import Ds4Config, flash_config  # noqa: E402
 from ds4_vllm.model.default_model import cache_root  # noqa: E402
 from ds4_vllm.model.gguf_file import GGUF_ARCHITECTURE, Ds4GgufDims, ds4_tensor_layout  # noqa: E402
 from ds4_vllm.model.tiny_gguf import (  # noqa: E402
@@ -63,7 +63,6 @@ SLICE_SEED = 20261211
 SLICE_QUANT = "q2"  # ds4's q2 recipe: IQ2_XXS gate/up, Q2_K down ("q4": Q4_K, ds4's q4 files)
 #: DeepSeek V4 Flash's first four layers: ratios 0, 0, 4, 128; hash routing on layers 0-2.
 SLICE_LAYERS = 4
-SLICE_HASH_LAYERS = 3
 # E[q^2] of int8 codes uniform on -127..127: 2 * sum(q^2, q=1..127) / 255 = 1,381,760 / 255.
 _Q8_CODE_MEAN_SQUARE = 1381760 / 255
 # Values generated per chunk (bounds transient memory to a few hundred MB).
@@ -76,64 +75,7 @@ def slice_config(n_routed_experts: int = 256, num_layers: int = SLICE_LAYERS, **
     `n_routed_experts` and `overrides` (any Ds4Config field, e.g. `hidden_size`) exist for
     reduced variants in tests; the benchmark uses the defaults.
     """
-    rope_fraction = 64 / 512  # the last 64 of each 512-wide head are rotary
-    n_hash = min(SLICE_HASH_LAYERS, num_layers)
-    fields: dict[str, Any] = dict(
-        architectures=[DS4_ARCHITECTURE],
-        dtype="float32",
-        vocab_size=129280,
-        hidden_size=4096,
-        num_hidden_layers=num_layers,
-        num_attention_heads=64,
-        num_key_value_heads=1,
-        head_dim=512,
-        partial_rotary_factor=rope_fraction,
-        q_lora_rank=1024,
-        o_groups=8,
-        o_lora_rank=1024,
-        n_routed_experts=n_routed_experts,
-        num_experts_per_tok=6,
-        n_shared_experts=1,
-        moe_intermediate_size=2048,
-        mlp_layer_types=["hash_moe"] * n_hash + ["moe"] * (num_layers - n_hash),
-        routed_scaling_factor=1.5,
-        swiglu_limit=10.0,
-        sliding_window=128,
-        index_n_heads=64,
-        index_head_dim=128,
-        index_topk=512,
-        hc_mult=4,
-        hc_sinkhorn_iters=20,
-        hc_eps=1e-6,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=1048576,
-        num_nextn_predict_layers=0,
-        rope_theta=10000.0,
-        compress_rope_theta=160000.0,
-        rope_parameters={
-            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rope_fraction},
-            "compress": {
-                "rope_type": "yarn",
-                "rope_theta": 160000.0,
-                "factor": 16.0,
-                "original_max_position_embeddings": 65536,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "attention_factor": 1.0,
-                "partial_rotary_factor": rope_fraction,
-            },
-        },
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    if "partial_rotary_factor" not in overrides and fields["head_dim"] != 512:
-        fraction = 64 / fields["head_dim"]  # keep 64 rotary dims in narrowed variants
-        fields["partial_rotary_factor"] = fraction
-        for rope in fields["rope_parameters"].values():
-            rope["partial_rotary_factor"] = fraction
-    return Ds4Config(**fields)
+    return flash_config(num_hidden_layers=num_layers, n_routed_experts=n_routed_experts, **overrides)
 
 
 def recipe(config: Ds4Config, expert_stacks: int, seed: int, quant: str = SLICE_QUANT) -> dict[str, Any]:

@@ -124,3 +124,18 @@ def test_transformers_loads_default_model(tmp_path: Path) -> None:
     assert torch.isfinite(logprobs).all()
     assert logprobs.max(-1).values.exp().max() < 0.5  # random model: no single token dominates
     assert logprobs.argmax(-1).unique().numel() > 1  # not one token everywhere
+
+
+def test_flash_config_has_the_released_widths() -> None:
+    """`flash_config()` (the slice benchmark and, narrowed, the tiny default build on it) equals
+    transformers' DeepseekV4Config defaults, the released Flash, except where ds4 differs on
+    purpose: its layer rule, YaRN on the compressed RoPE, no MTP layer, an explicit dtype."""
+    from transformers import DeepseekV4Config
+
+    from ds4_vllm.model.config import flash_config, to_transformers_config
+
+    ours = to_transformers_config(flash_config()).to_dict()
+    released = DeepseekV4Config().to_dict()
+    differ = {k for k in ours.keys() | released.keys() if ours.get(k) != released.get(k)}
+    assert differ == {"layer_types", "rope_parameters", "num_nextn_predict_layers", "dtype", "architectures"}
+    assert (ours["hidden_size"], ours["num_hidden_layers"], ours["n_routed_experts"]) == (4096, 43, 256)

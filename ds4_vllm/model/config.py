@@ -271,3 +271,73 @@ def to_transformers_config(config: Ds4Config) -> DeepseekV4Config:
         data.pop(key, None)
     data["architectures"] = ["DeepseekV4ForCausalLM"]
     return DeepseekV4Config(**data)
+
+
+#: DeepSeek V4 Flash's rotary dims per head (the last 64 of each head); narrower heads keep 64.
+FLASH_ROPE_DIMS = 64
+#: Flash routes its first three layers by token hash.
+FLASH_HASH_LAYERS = 3
+
+
+def flash_config(**overrides: Any) -> Ds4Config:
+    """DeepSeek V4 Flash's config: its real widths and structural constants (43 layers).
+
+    `overrides` are Ds4Config fields (narrower widths for the tiny models and benchmark slices).
+    Unless given, the layer kinds follow the layer count (hash routing on the first three) and
+    the rotary fraction keeps 64 rotary dims whatever `head_dim` is.
+    """
+    fields: dict[str, Any] = dict(
+        architectures=[DS4_ARCHITECTURE],
+        dtype="float32",
+        vocab_size=129280,
+        hidden_size=4096,
+        num_hidden_layers=43,
+        num_attention_heads=64,
+        num_key_value_heads=1,
+        head_dim=512,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        n_routed_experts=256,
+        num_experts_per_tok=6,
+        n_shared_experts=1,
+        moe_intermediate_size=2048,
+        routed_scaling_factor=1.5,
+        swiglu_limit=10.0,
+        sliding_window=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        hc_eps=1e-6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1048576,
+        num_nextn_predict_layers=0,
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    if "mlp_layer_types" not in overrides:
+        n_hash = min(FLASH_HASH_LAYERS, fields["num_hidden_layers"])
+        fields["mlp_layer_types"] = ["hash_moe"] * n_hash + ["moe"] * (fields["num_hidden_layers"] - n_hash)
+    fraction = overrides.get("partial_rotary_factor", FLASH_ROPE_DIMS / fields["head_dim"])
+    fields["partial_rotary_factor"] = fraction
+    if "rope_parameters" not in overrides:
+        fields["rope_parameters"] = {
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": fraction},
+            "compress": {
+                "rope_type": "yarn",
+                "rope_theta": 160000.0,
+                "factor": 16.0,
+                "original_max_position_embeddings": 65536,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "attention_factor": 1.0,
+                "partial_rotary_factor": fraction,
+            },
+        }
+    return Ds4Config(**fields)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4_vllm.model.config import DS4_ARCHITECTURE, Ds4Config
+from ds4_vllm.model.config import Ds4Config, flash_config
 
 # Bump when the recipe (dims, seed, scales, files) changes: a new folder is materialized.
 DEFAULT_MODEL_VERSION = "v2"
@@ -47,57 +47,21 @@ CHAT_TEMPLATE = (
 
 def default_config() -> Ds4Config:
     """Tiny widths, real structural constants (ds4's layer rule, RoPE/YaRN, vocab, tokens)."""
-    rope_dim_fraction = 0.5  # head_dim 128 → 64 rotary dims, as in the real model
-    return Ds4Config(
-        architectures=[DS4_ARCHITECTURE],
-        dtype="float32",
-        vocab_size=129280,
+    return flash_config(
         hidden_size=256,
         num_hidden_layers=6,  # ratios 0, 0, 4, 128, 4, 128
         num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=128,
-        partial_rotary_factor=rope_dim_fraction,
+        head_dim=128,  # 64 rotary dims, as in the real model
         q_lora_rank=128,
         o_groups=2,
         o_lora_rank=64,
         n_routed_experts=8,
-        num_experts_per_tok=6,
-        n_shared_experts=1,
         moe_intermediate_size=256,
-        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
-        sliding_window=128,
         # 16 indexer heads (Flash has 64): with only 4, a quarter of a query's candidate scores are
         # exactly 0 (all heads ReLU-clipped), so top-512 ties would decide which rows are attended.
         index_n_heads=16,
         index_head_dim=64,
-        index_topk=512,
-        hc_mult=4,
-        hc_sinkhorn_iters=20,
         max_position_embeddings=65536,
-        num_nextn_predict_layers=0,
-        rope_theta=10000.0,
-        compress_rope_theta=160000.0,
-        rope_parameters={
-            "main": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": rope_dim_fraction,
-            },
-            "compress": {
-                "rope_type": "yarn",
-                "rope_theta": 160000.0,
-                "factor": 16.0,
-                "original_max_position_embeddings": 65536,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "attention_factor": 1.0,
-                "partial_rotary_factor": rope_dim_fraction,
-            },
-        },
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
     )
 
 
