@@ -55,17 +55,14 @@ from reporting import RESULTS_DIR, machine_info, print_table  # noqa: E402
 
 from ds4_vllm.kvc import (  # noqa: E402
     KvcHeader,
-    LayerArrays,
     ModelDims,
     PayloadData,
-    PayloadHeader,
     SaveReason,
-    compute_layout,
-    default_counts,
     open_checkpoint,
     write_checkpoint,
 )
 from ds4_vllm.kvc.index import DIR_SETTLE_NS  # noqa: E402
+from ds4_vllm.kvc.synthetic import random_payload  # noqa: E402
 
 CHUNK = 8 << 20
 FULL_LENGTHS = (2048, 8192, 32768, 131072)
@@ -162,23 +159,7 @@ def synthetic_payload(
 ) -> PayloadData:
     """A payload with the sections the connector writes for `n_tokens` (random float32 values)."""
     rng = np.random.default_rng(seed)
-    if tokens is None:
-        tokens = rng.integers(1000, 100000, n_tokens, dtype=np.uint32)
-    header = PayloadHeader.build(dims, ctx_size=ctx_size, n_tokens=n_tokens)
-    n_comp, n_index = default_counts(dims.n_layer, n_tokens)
-    layout = compute_layout(header, n_comp, n_index)
-    layers = [
-        LayerArrays(**{s.name: rng.standard_normal(s.shape, dtype=np.float32) for s in lay.sections})
-        for lay in layout.layers
-    ]
-    return PayloadData(
-        header=header,
-        tokens=np.asarray(tokens, dtype=np.uint32),
-        logits=rng.standard_normal(dims.n_vocab, dtype=np.float32),
-        n_comp=n_comp,
-        n_index_comp=n_index,
-        layers=layers,
-    )
+    return random_payload(dims, rng, tokens=n_tokens if tokens is None else tokens, ctx_size=ctx_size)
 
 
 def payload_arrays(payload: Any) -> list[np.ndarray]:

@@ -16,16 +16,13 @@ import numpy as np
 
 from ds4_vllm.kvc import (
     KvcHeader,
-    LayerArrays,
     ModelDims,
     PayloadData,
-    PayloadHeader,
     SaveReason,
     ToolMapEntry,
-    compute_layout,
-    default_counts,
     write_checkpoint,
 )
+from ds4_vllm.kvc.synthetic import random_payload
 from ds4_vllm.kvc.trailer import pack_tool_map
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
@@ -44,22 +41,7 @@ def tool_entries(n: int) -> list[ToolMapEntry]:
 
 
 def payload_data(dims: ModelDims, n_tokens: int, seed: int) -> PayloadData:
-    rng = np.random.default_rng(seed)
-    header = PayloadHeader.build(dims, ctx_size=CTX, n_tokens=n_tokens)
-    n_comp, n_index = default_counts(dims.n_layer, n_tokens)
-    layout = compute_layout(header, n_comp, n_index)
-    layers = [
-        LayerArrays(**{s.name: rng.standard_normal(s.shape).astype(np.float32) for s in lay.sections})
-        for lay in layout.layers
-    ]
-    return PayloadData(
-        header=header,
-        tokens=rng.integers(0, dims.n_vocab, size=n_tokens, dtype=np.uint32),
-        logits=rng.standard_normal(dims.n_vocab).astype(np.float32),
-        n_comp=n_comp,
-        n_index_comp=n_index,
-        layers=layers,
-    )
+    return random_payload(dims, np.random.default_rng(seed), tokens=n_tokens, ctx_size=CTX)
 
 
 #: (model, tokens, text, KTM entries): each a valid file the writer produced.

@@ -11,14 +11,11 @@ import numpy as np
 
 from ds4_vllm.kvc import (
     KvcHeader,
-    LayerArrays,
     ModelDims,
     PayloadData,
-    PayloadHeader,
     SaveReason,
     ToolMapEntry,
-    compute_layout,
-    default_counts,
+    synthetic,
 )
 from tests.shared_data import ENGINE_TESTDATA, require
 
@@ -46,17 +43,6 @@ def load_manifest() -> dict:
     return json.loads((root / "manifest.json").read_text())
 
 
-def random_layers(
-    dims: ModelDims, header: PayloadHeader, n_comp, n_index, rng: np.random.Generator
-) -> list[LayerArrays]:
-    layout = compute_layout(header, n_comp, n_index)
-    layers = []
-    for lay in layout.layers:
-        arrays = {sec.name: rng.standard_normal(sec.shape).astype(np.float32) for sec in lay.sections}
-        layers.append(LayerArrays(**arrays))
-    return layers
-
-
 def random_payload(
     dims: ModelDims,
     n_tokens: int,
@@ -66,15 +52,8 @@ def random_payload(
     raw_window: int | None = None,
     counts: tuple[list[int], list[int]] | None = None,
 ) -> PayloadData:
-    header = PayloadHeader.build(dims, ctx_size=ctx_size, n_tokens=n_tokens, raw_window=raw_window)
-    n_comp, n_index = counts if counts is not None else default_counts(dims.n_layer, n_tokens)
-    return PayloadData(
-        header=header,
-        tokens=rng.integers(0, dims.n_vocab, size=n_tokens, dtype=np.uint32),
-        logits=rng.standard_normal(dims.n_vocab).astype(np.float32),
-        n_comp=n_comp,
-        n_index_comp=n_index,
-        layers=random_layers(dims, header, n_comp, n_index, rng),
+    return synthetic.random_payload(
+        dims, rng, tokens=n_tokens, ctx_size=ctx_size, raw_window=raw_window, counts=counts
     )
 
 

@@ -8,15 +8,12 @@ import numpy as np
 
 from ds4_vllm.kvc import (
     KvcHeader,
-    LayerArrays,
     ModelDims,
     PayloadData,
-    PayloadHeader,
     SaveReason,
-    compute_layout,
-    default_counts,
     write_checkpoint,
 )
+from ds4_vllm.kvc.synthetic import random_payload
 from ds4_vllm.store.options import StoreOptions
 
 MICRO = ModelDims(n_layer=5, head_dim=8, index_dim=4, n_vocab=64)
@@ -28,22 +25,7 @@ NOW = 1_767_225_600
 def payload(
     tokens: list[int], *, ctx_size: int = 4096, seed: int = 0, dims: ModelDims = MICRO
 ) -> PayloadData:
-    rng = np.random.default_rng(seed)
-    header = PayloadHeader.build(dims, ctx_size=ctx_size, n_tokens=len(tokens))
-    n_comp, n_index = default_counts(dims.n_layer, len(tokens))
-    layout = compute_layout(header, n_comp, n_index)
-    layers = [
-        LayerArrays(**{s.name: rng.standard_normal(s.shape).astype(np.float32) for s in lay.sections})
-        for lay in layout.layers
-    ]
-    return PayloadData(
-        header=header,
-        tokens=np.asarray(tokens, dtype=np.uint32),
-        logits=rng.standard_normal(dims.n_vocab).astype(np.float32),
-        n_comp=n_comp,
-        n_index_comp=n_index,
-        layers=layers,
-    )
+    return random_payload(dims, np.random.default_rng(seed), tokens=tokens, ctx_size=ctx_size)
 
 
 def header(
