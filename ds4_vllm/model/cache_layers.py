@@ -53,21 +53,27 @@ class Ds4CacheMetadata(AttentionMetadata):
     @cached_property
     def plan(self) -> BatchPlan:
         return BatchPlan(
-            self.query_start_loc[: self.num_reqs + 1].tolist(), self.seq_lens[: self.num_reqs].tolist()
+            self.query_start_loc[: self.num_reqs + 1].tolist(),
+            self.seq_lens[: self.num_reqs].tolist(),
+            device=self.block_table.device,
         )
 
 
 class BatchPlan:
     """Where each request's tokens of this step sit: queries [q_start, q_end) at positions [pos_start, seq_len)."""
 
-    def __init__(self, query_start_loc: list[int], seq_lens: list[int]) -> None:
+    def __init__(
+        self, query_start_loc: list[int], seq_lens: list[int], device: torch.device | str = "cpu"
+    ) -> None:
         self.q_start = query_start_loc[:-1]
         self.q_end = query_start_loc[1:]
         self.seq_len = seq_lens
         self.num_tokens = query_start_loc[-1]
         self.pos_start = [s - (e - b) for s, b, e in zip(seq_lens, self.q_start, self.q_end, strict=True)]
         counts = torch.tensor([e - b for b, e in zip(self.q_start, self.q_end, strict=True)])
-        self.token_req = torch.repeat_interleave(torch.arange(len(seq_lens)), counts)
+        #: The request of each token, on the device the step's tensors index it with (the
+        #: block table's: on CUDA, a CPU index into GPU rows failed).
+        self.token_req = torch.repeat_interleave(torch.arange(len(seq_lens)), counts).to(device)
 
     def requests(self):
         """(request index, query slice, first position, sequence length) per request with tokens this step."""

@@ -212,3 +212,21 @@ def test_one_token_dequantizes_only_its_experts_a_matrix_at_a_time(monkeypatch: 
     quant(x, indices, weights)
     # experts 2 then 5, each gate, up, down: one [out, in] matrix per call, never the stack
     assert shapes == [(96, 64), (96, 64), (64, 96)] * 2
+
+
+@pytest.mark.parametrize("make", [None, q8_0, mxfp4], ids=["float", "q8_0", "mxfp4"])
+def test_weights_go_to_the_device_the_module_was_built_on(make) -> None:
+    """Issue 25: vLLM builds the model under its target device and loads CPU tensors; the
+    holders kept the CPU tensor, so on CUDA the first projection failed. The meta device stands
+    in for CUDA here: built under it, every weight set from a CPU tensor ends up on it."""
+    with torch.device("meta"):
+        layer = QuantLinear(128, 64)
+        stack = QuantExpertWeight(3, 64, 128)
+    one = torch.randn(64, 128) if make is None else make((64, 128), seed=3)
+    layer.set_weight(one)
+    stack.set_expert(1, one)
+    for holder in (layer, stack):
+        stored = holder.stored_weight()
+        tensors = [stored] if isinstance(stored, torch.Tensor) else [stored.data, stored.scale]
+        assert {t.device.type for t in tensors if t is not None} == {"meta"}, holder.name
+    assert QuantLinear(8, 4).to("meta").device.type == "meta"  # the device follows `.to()`

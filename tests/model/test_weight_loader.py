@@ -197,3 +197,25 @@ def test_bad_checkpoints_name_the_tensor(reference, edit, message) -> None:
     with pytest.raises(ValueError) as err:
         _load(config, weights.items())
     assert message in str(err.value)
+
+
+def test_every_weight_lands_on_the_device_the_model_was_built_on() -> None:
+    """Issue 25: vLLM builds the model under its target device, then `load_weights` gets CPU
+    tensors. 83 weights stayed on the CPU and a CUDA forward failed at the first projection.
+    Built under the meta device (standing in for CUDA on this machine) and loaded from the
+    default model's safetensors, every parameter, buffer and packed weight is on meta."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from ds4_vllm.model.default_model import default_config, default_model_dir
+    from ds4_vllm.model.model import Ds4ForCausalLM
+
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=default_config(), dtype=torch.bfloat16)
+    )
+    with set_current_vllm_config(VllmConfig()), torch.device("meta"):
+        model = Ds4ForCausalLM(vllm_config=vllm_config)
+    model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
+    placed = {name: t.device.type for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert placed and {name for name, device in placed.items() if device != "meta"} == set()

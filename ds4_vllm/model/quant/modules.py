@@ -82,6 +82,8 @@ class _PackedWeightHolder(nn.Module):
     The buffers are ``weight`` (float weights), or ``weight_packed`` and ``weight_scale``
     (packed); the unused ones are None. Before ``set_weight`` all three are None (not a meta
     tensor, which ``Module.to(device)`` cannot copy), so constructing a model allocates nothing.
+    A weight is stored on the device the module was built on (`device`): vLLM builds the model
+    under its target device and hands ``load_weights`` CPU tensors.
     """
 
     def __init__(self, shape: tuple[int, ...], name: str, split: Split | None = None) -> None:
@@ -95,6 +97,13 @@ class _PackedWeightHolder(nn.Module):
         self.register_buffer("weight", None)
         self.register_buffer("weight_packed", None)
         self.register_buffer("weight_scale", None)
+        # Empty, so it costs nothing; it follows the module through `.to(device)`.
+        self.register_buffer("_device_anchor", torch.empty(0, dtype=torch.uint8), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this module's weight lives (and is moved to when set)."""
+        return self._device_anchor.device
 
     @property
     def is_loaded(self) -> bool:
@@ -116,8 +125,8 @@ class _PackedWeightHolder(nn.Module):
                 )
             self.qtype = w.qtype
             self.weight = None
-            self.weight_packed = w.data
-            self.weight_scale = w.scale
+            self.weight_packed = w.data.to(self.device)
+            self.weight_scale = None if w.scale is None else w.scale.to(self.device)
         elif isinstance(w, torch.Tensor):
             if tuple(w.shape) != self.shape:
                 raise ValueError(f"{self.name}: weight has shape {tuple(w.shape)}, expected {self.shape}")
@@ -127,7 +136,7 @@ class _PackedWeightHolder(nn.Module):
                     "(wrap packed bytes in a QuantizedWeight)"
                 )
             self.qtype = None
-            self.weight = w
+            self.weight = w.to(self.device)
             self.weight_packed = None
             self.weight_scale = None
         else:
@@ -198,7 +207,8 @@ class QuantExpertWeight(_PackedWeightHolder):
         super().__init__((n_experts, out_features, in_features), name, split)
         #: Global ids of the experts this rank holds (all of them without expert parallelism).
         self.experts = range(n_experts) if experts is None else experts
-        self.register_buffer("_expert_set", torch.zeros(self.shape[0], dtype=torch.bool), persistent=False)
+        #: Which local experts were installed: loader bookkeeping, kept on the host (no device sync).
+        self._expert_set = [False] * self.shape[0]
 
     @property
     def n_experts(self) -> int:
@@ -208,7 +218,7 @@ class QuantExpertWeight(_PackedWeightHolder):
     def set_weight(self, w: WeightLike) -> None:
         """Install the whole [E, out, in] stack (e.g. a GGUF ``ffn_*_exps`` tensor); this rank keeps its experts."""
         self._store(self._local(w))
-        self._expert_set.fill_(True)
+        self._expert_set = [True] * self.shape[0]
 
     def set_expert(self, expert: int, w: WeightLike) -> None:
         """Install one expert's [out, in] weight by global id (ignored when another rank holds it);
@@ -224,7 +234,7 @@ class QuantExpertWeight(_PackedWeightHolder):
                 raise ValueError(
                     f"{self.name}[{expert}]: {w.qtype.value} weight has logical shape {w.shape}, expected {one_shape}"
                 )
-            if not self._allocated_for(w.qtype, w.data.device, torch.uint8):
+            if not self._allocated_for(w.qtype, torch.uint8):
                 self._allocate_packed(w)
             self.weight_packed[expert].copy_(w.data)
             if w.scale is not None:
@@ -238,9 +248,9 @@ class QuantExpertWeight(_PackedWeightHolder):
                 raise TypeError(
                     f"{self.name}[{expert}]: a plain weight must be a float tensor, got {w.dtype}"
                 )
-            if not self._allocated_for(None, w.device, w.dtype):
-                self._store(torch.empty(self.shape, dtype=w.dtype, device=w.device))
-                self._expert_set.fill_(False)
+            if not self._allocated_for(None, w.dtype):
+                self._store(torch.empty(self.shape, dtype=w.dtype, device=self.device))
+                self._expert_set = [False] * self.shape[0]
             self.weight[expert].copy_(w)
         else:
             raise TypeError(
@@ -248,14 +258,14 @@ class QuantExpertWeight(_PackedWeightHolder):
             )
         self._expert_set[expert] = True
 
-    def _allocated_for(self, qtype: QuantType | None, device: torch.device, dtype: torch.dtype) -> bool:
+    def _allocated_for(self, qtype: QuantType | None, dtype: torch.dtype) -> bool:
         """Whether the stack's storage already holds experts of this kind; a different kind is an error."""
         if not self.is_loaded:
             return False
         stored = self.qtype.value if self.qtype is not None else str(self.weight.dtype)
         wanted = qtype.value if qtype is not None else str(dtype)
         if stored != wanted:
-            loaded = [self.experts[i] for i in self._expert_set.nonzero().flatten().tolist()[:4]]
+            loaded = [self.experts[i] for i, done in enumerate(self._expert_set) if done][:4]
             raise ValueError(
                 f"{self.name}: experts {loaded}... are {stored}, this one is {wanted}; "
                 "all experts of a stack must share one type"
@@ -263,16 +273,16 @@ class QuantExpertWeight(_PackedWeightHolder):
         return True
 
     def _allocate_packed(self, one: QuantizedWeight) -> None:
-        device = one.data.device
+        device = self.device
         data = torch.empty(packed_shape(one.qtype, self.shape), dtype=torch.uint8, device=device)
         want_scale = scale_shape(one.qtype, self.shape)
         scale = None if want_scale is None else torch.empty(want_scale, dtype=torch.uint8, device=device)
         self._store(QuantizedWeight(one.qtype, self.shape, data, scale))
-        self._expert_set.fill_(False)
+        self._expert_set = [False] * self.shape[0]
 
     def missing_experts(self) -> list[int]:
         """Global ids of this rank's experts not installed yet (a loader checks this is empty before serving)."""
-        return [self.experts[i] for i in (~self._expert_set).nonzero().flatten().tolist()]
+        return [self.experts[i] for i, done in enumerate(self._expert_set) if not done]
 
     def expert_weights(self, ids: IndexLike, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Float weights of the experts ``ids`` ([len(ids), out, in]); only those are dequantized."""
