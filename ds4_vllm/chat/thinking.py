@@ -70,6 +70,11 @@ _MODEL_ALIASES = {"deepseek-chat": False, "deepseek-reasoner": True}
 ENGINE_MODEL_NAMES = ("deepseek-v4-flash", *_MODEL_ALIASES)
 
 
+def is_thinking_alias(model: object) -> bool:
+    """Whether a request's `model` is one of the names that select thinking (`deepseek-chat`...)."""
+    return isinstance(model, str) and cstr(model) in _MODEL_ALIASES
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ThinkingFields:
     """The body fields one API's parser reads for thinking (the engine's parser of that API)."""

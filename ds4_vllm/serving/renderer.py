@@ -44,6 +44,7 @@ from ds4_vllm.chat.fields import RenderError
 from ds4_vllm.chat.json_text import JsonTextError, parse_json
 from ds4_vllm.chat.responses_request import render_responses
 from ds4_vllm.chat.template import RenderedPrompt, completion_prompt_text
+from ds4_vllm.chat.thinking import is_thinking_alias
 
 from .request_body import RawRequest, Route
 from .request_checks import check_tool_history
@@ -82,12 +83,26 @@ def vllm_thinking_switch(body: Mapping, chat_template_kwargs: Mapping) -> bool |
     return None
 
 
+#: `--default-chat-template-kwargs '{"ds4_messages_thinking": false}'`: on /v1/messages, a body
+#: without `thinking` renders without thinking (Anthropic's meaning of the absent field) instead of
+#: the engine's default (on). A `deepseek-chat`/`deepseek-reasoner` model name still decides.
+MESSAGES_THINKING_DEFAULT = "ds4_messages_thinking"
+
+
 def route_thinking_switch(route: Route, body: Mapping, chat_template_kwargs: Mapping) -> bool | None:
     """The `vllm_switch` a route's rendering gets (`ds4_vllm.chat.thinking`, step 3).
 
-    Anthropic requests get none: vLLM derives that switch from their own `thinking` and
-    `output_config.effort`, which the engine reads with other meanings (an effort is no switch).
+    Anthropic requests get none from vLLM's kwargs: vLLM derives that switch from their own
+    `thinking` and `output_config.effort`, which the engine reads with other meanings (an effort
+    is no switch). Only the server's `MESSAGES_THINKING_DEFAULT` applies to them, and only to a
+    body without `thinking` whose model is not one of the engine's thinking aliases.
     """
+    if route is Route.ANTHROPIC:
+        default = chat_template_kwargs.get(MESSAGES_THINKING_DEFAULT)
+        model = body.get("model")
+        if isinstance(default, bool) and "thinking" not in body and not is_thinking_alias(model):
+            return default
+        return None
     if route not in (Route.CHAT, Route.RESPONSES):
         return None
     return vllm_thinking_switch(body, chat_template_kwargs)

@@ -169,6 +169,32 @@ def test_vllm_switch_turns_thinking_off_only_where_the_body_is_silent() -> None:
     assert switch(Route.ANTHROPIC, anthropic, {"enable_thinking": True}) is None  # vLLM's, from the effort
 
 
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({}, ThinkMode.NONE),  # no `thinking`: Anthropic's meaning, off
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, ThinkMode.HIGH),  # the body decides
+        ({"model": "deepseek-reasoner"}, ThinkMode.HIGH),  # the engine's alias still decides
+    ],
+)
+def test_the_messages_thinking_default_applies_to_bodies_without_thinking(body: dict, expected) -> None:
+    """Issue 20: clients that assume an absent `thinking` means none (Anthropic's API) get it
+    with `--default-chat-template-kwargs '{"ds4_messages_thinking": false}'`; without the key the
+    engine's default (on) stays."""
+    mod = _renderer_module()
+    from ds4_vllm.chat.anthropic_request import render_anthropic_messages
+
+    request = {"model": "ds4", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **body}
+    kwargs = {mod.MESSAGES_THINKING_DEFAULT: False}
+    switch = mod.route_thinking_switch(Route.ANTHROPIC, request, kwargs)
+    assert render_anthropic_messages(request, ctx_size=4096, vllm_switch=switch).think_mode is expected
+    engine_default = mod.route_thinking_switch(Route.ANTHROPIC, request, {})
+    assert (
+        render_anthropic_messages(request, ctx_size=4096, vllm_switch=engine_default).think_mode
+        is ThinkMode.HIGH
+    )
+
+
 def test_fallback_body_renders_vllm_tools_as_compact_json() -> None:
     mod = _renderer_module()
     from vllm.renderers.params import ChatParams
