@@ -27,6 +27,7 @@ from vllm.entrypoints.generate.base.protocol import (
     ToolCall,
 )
 from vllm.tool_parsers.abstract_tool_parser import ToolParser
+from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
 
 from ds4_vllm.chat.dsml import BLOCK_STARTS, find_block_start, parse_tool_calls, tool_search_start
 from ds4_vllm.serving.state import serving_state_for_tokenizer
@@ -55,9 +56,29 @@ def _held_suffix(text: str) -> int:
     return longest
 
 
+#: Whitespace the DSML constraint allows between the parts of a call's arguments. Unbounded (the
+#: default), a model may keep emitting whitespace inside a forced call until `max_tokens`; the
+#: engine's own DSML has none beyond the separators the format writes.
+MAX_ARGUMENT_WHITESPACE = 2
+
+
+def _bound_whitespace(node: Any) -> None:
+    """Set `max_whitespace_cnt` on every JSON-schema part of an xgrammar structural-tag format."""
+    if getattr(node, "type", None) == "json_schema" and getattr(node, "max_whitespace_cnt", 0) is None:
+        node.max_whitespace_cnt = MAX_ARGUMENT_WHITESPACE
+    for child_name in ("elements", "tags", "content"):
+        child = getattr(node, child_name, None)
+        for item in child if isinstance(child, list) else [child] if child is not None else []:
+            _bound_whitespace(item)
+
+
 class Ds4ToolParser(ToolParser):
     # "required" and named tool_choice are parsed from DSML too: ds4 writes no JSON tool calls.
     supports_required_and_named = False
+    # ... and enforced with xgrammar's DeepSeek V4 DSML structural tag (the engine's DSML), the
+    # arguments against each tool's JSON schema; vLLM applies it after the reasoning ends.
+    structural_tag_model = "deepseek_v4"
+    default_tool_strict_level = ToolStrictLevel.PARAMETER
     # Only so that vLLM calls `finish_streaming` at the end of a stream (to flush held-back text);
     # with a non-engine reasoning parser vLLM keeps feeding whole accumulated texts.
     engine_based_streaming = True
@@ -75,6 +96,16 @@ class Ds4ToolParser(ToolParser):
         keep_special_tokens(request)
         self.serving.attach_tool_transfer_params(request)
         return request
+
+    def get_structural_tag(self, request: Any, **kwargs: Any) -> Any:
+        """The DSML constraint for `tool_choice` "required" or a named function only: under "auto"
+        the answer stays unconstrained, as the ds4 engine samples it."""
+        if request.tool_choice == "auto" or request.tool_choice is None:
+            return None
+        tag = super().get_structural_tag(request, **kwargs)
+        if tag is not None:
+            _bound_whitespace(tag.format)
+        return tag
 
     # ------------------------------------------------------------------ whole answers
 

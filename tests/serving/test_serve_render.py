@@ -513,3 +513,61 @@ def test_reasoning_cut_by_max_tokens_is_reasoning_streamed_or_not(openai_client,
     )
     assert message.stop_reason == "max_tokens"
     assert [block.type for block in message.content] == ["thinking"]
+
+
+NOW_TOOL = {
+    "type": "function",
+    "function": {"name": "now", "parameters": {"type": "object", "properties": {}}},
+}
+#: `</think>` made certain at the first step: the tiny random model would think until max_tokens.
+CLOSE_THINKING_AT_ONCE = {"logit_bias": {str(default_tokenizer().encode("</think>")[0]): 100}}
+
+
+@pytest.mark.parametrize(
+    ("model", "tool_choice", "extra"),
+    [
+        ("deepseek-chat", "required", {}),
+        ("deepseek-chat", {"type": "function", "function": {"name": "now"}}, {}),
+        ("deepseek-reasoner", "required", CLOSE_THINKING_AT_ONCE),
+    ],
+    ids=["required", "named", "required-after-thinking"],
+)
+def test_forced_tool_choice_is_a_tool_call(openai_client, model, tool_choice, extra) -> None:
+    """Issue 20: "required" and a named function were not enforced (an unconstrained tiny model
+    answers with random text). The DSML structural tag makes the answer a call of a listed tool,
+    its arguments valid for the tool's schema, after the reasoning when thinking is on."""
+    weather = dict(TOOLS[0])
+    reply = openai_client.chat.completions.create(
+        model=model,
+        max_tokens=300,
+        temperature=0,
+        parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "What time is it?"}],
+        tools=[weather, NOW_TOOL],
+        tool_choice=tool_choice,
+        extra_body=extra,
+    )
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name in {"now", "get_weather"}
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "now"
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "now":
+        assert arguments == {}
+    else:
+        assert isinstance(arguments.get("city"), str)
+    assert not reply.choices[0].message.content
+
+
+def test_anthropic_forced_tool_is_a_tool_use(anthropic_client) -> None:
+    message = anthropic_client.messages.create(
+        model="deepseek-chat",
+        max_tokens=300,
+        messages=[{"role": "user", "content": "What time is it?"}],
+        tools=[{"name": "now", "input_schema": {"type": "object", "properties": {}}}],
+        tool_choice={"type": "tool", "name": "now", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 0},
+    )
+    assert [(b.type, b.name, b.input) for b in message.content if b.type == "tool_use"] == [
+        ("tool_use", "now", {})
+    ]
