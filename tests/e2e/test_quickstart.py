@@ -19,7 +19,7 @@ import pytest
 from ds4_vllm.model.default_model import default_model_dir
 from tests.e2e.server_process import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # two server starts and set-up checks: 2 min
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_SH = REPO / "scripts" / "serve.sh"
