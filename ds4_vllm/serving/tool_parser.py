@@ -76,9 +76,10 @@ class Ds4ToolParser(ToolParser):
     # "required" and named tool_choice are parsed from DSML too: ds4 writes no JSON tool calls.
     supports_required_and_named = False
     # ... and enforced with xgrammar's DeepSeek V4 DSML structural tag (the engine's DSML), the
-    # arguments against each tool's JSON schema; vLLM applies it after the reasoning ends.
+    # arguments against each tool's JSON schema; vLLM applies it after the reasoning ends. No
+    # `default_tool_strict_level`: a server-wide level would also constrain "auto" requests that
+    # carry structured outputs (vLLM then ORs the tool tag with the user's format).
     structural_tag_model = "deepseek_v4"
-    default_tool_strict_level = ToolStrictLevel.PARAMETER
     # Only so that vLLM calls `finish_streaming` at the end of a stream (to flush held-back text);
     # with a non-engine reasoning parser vLLM keeps feeding whole accumulated texts.
     engine_based_streaming = True
@@ -97,12 +98,16 @@ class Ds4ToolParser(ToolParser):
         self.serving.attach_tool_transfer_params(request)
         return request
 
-    def get_structural_tag(self, request: Any, **kwargs: Any) -> Any:
-        """The DSML constraint for `tool_choice` "required" or a named function only: under "auto"
-        the answer stays unconstrained, as the ds4 engine samples it."""
+    def get_structural_tag(
+        self, request: Any, *, reasoning: bool = False, strict_level: ToolStrictLevel = ToolStrictLevel.AUTO
+    ) -> Any:
+        """The DSML constraint for `tool_choice` "required" or a named function, arguments pinned to
+        their schemas; under "auto" the answer stays unconstrained, as the ds4 engine samples it
+        (unless the operator's `--tool-strict-level` or a `strict` tool asks otherwise)."""
         if request.tool_choice == "auto" or request.tool_choice is None:
             return None
-        tag = super().get_structural_tag(request, **kwargs)
+        strict_level = max(strict_level, ToolStrictLevel.PARAMETER)
+        tag = super().get_structural_tag(request, reasoning=reasoning, strict_level=strict_level)
         if tag is not None:
             _bound_whitespace(tag.format)
         return tag
