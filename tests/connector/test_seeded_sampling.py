@@ -9,7 +9,7 @@ prompt ran in one chunk or three, and whether most of it was computed or restore
 On the tiny default and on `ds4-tiny-q2` (a GGUF with 2-bit routed experts): engine A (ds4disk,
 512-token chunks, vLLM's memory prefix cache off) answers the 1,300-token prompt cold, then again
 restored from its own cold checkpoint, then with another seed; engine R (no connector) answers
-it in one chunk.
+it in one chunk. The GGUF variant is `heavy` (CI runs the tiny default).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def answer(llm, seed: int):
     return llm.generate([{"prompt_token_ids": PROMPT}], seeded(seed), use_tqdm=False)[0]
 
 
-@pytest.fixture(scope="module", params=["ds4", "ds4-tiny-q2"])
+@pytest.fixture(scope="module", params=["ds4", pytest.param("ds4-tiny-q2", marks=pytest.mark.heavy)])
 def runs(request, tmp_path_factory) -> dict:
     model = request.param
     disk_dir = tmp_path_factory.mktemp(f"kv-{model}")
