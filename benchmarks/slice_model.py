@@ -33,7 +33,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from ds4_vllm.kvc.atomic import atomic_output  # noqa: E402
 from ds4_vllm.model.config import Ds4Config, flash_config  # noqa: E402
 from ds4_vllm.model.default_model import cache_root  # noqa: E402
 from ds4_vllm.model.gguf_file import GGUF_ARCHITECTURE, Ds4GgufDims, ds4_tensor_layout  # noqa: E402
@@ -284,15 +284,8 @@ def make_slice_model(
     if final.is_file():
         return final
     dest.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=dest)
-    os.close(fd)
-    try:
+    with atomic_output(final, mode=0o644) as tmp:
         write_slice_gguf(tmp, config, expert_stacks=expert_stacks, seed=seed, quant=quant)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return final
 
 

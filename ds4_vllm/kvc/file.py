@@ -14,13 +14,13 @@ import errno
 import hashlib
 import mmap
 import os
-import secrets
 import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .atomic import atomic_output, temp_name
 from .constants import (
     DIR_MODE,
     FILE_MODE,
@@ -338,9 +338,8 @@ def write_checkpoint(
 
     d = ensure_directory(directory)
     final = d / checkpoint_name(text)
-    tmp = d / f"{final.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
-    try:
+    with atomic_output(final, temp=d / temp_name(final.name, prefix="")) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
         with os.fdopen(fd, "wb", buffering=1 << 20) as fp:
             os.fchmod(fp.fileno(), FILE_MODE)
             fp.write(head)
@@ -356,11 +355,6 @@ def write_checkpoint(
             actual = os.fstat(fp.fileno()).st_size
         if actual != expected:
             raise KvcFormatError(tmp, actual, "file", f"wrote {actual} bytes, expected {expected}")
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
     if fsync:
         _fsync_dir(d)
     return final

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from ds4_vllm.kvc.atomic import atomic_output
 from ds4_vllm.model.config import Ds4Config, flash_config
 
 # Bump when the recipe (dims, seed, scales, files) changes: a new folder is materialized.
@@ -208,16 +207,10 @@ def default_model_dir() -> Path:
     if (final / "model.safetensors").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with atomic_output(final, directory=True, first_writer_wins=True) as tmp:
         write_default_model(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "model.safetensors").is_file():  # not a concurrent winner: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (final / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{final} exists without model.safetensors: remove it and start again")
     return final
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from vllm.config import ModelConfig
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from ds4_vllm.kvc.atomic import atomic_output
 from ds4_vllm.model.gguf_file import Ds4GgufFile
 from ds4_vllm.model.gguf_tokenizer import write_hf_tokenizer
 from ds4_vllm.model.quant import QuantizedWeight
@@ -65,14 +65,11 @@ def gguf_tokenizer_dir(path: str | Path) -> Path:
         meta = gguf.tokenizer_metadata()
         if meta is None:
             raise ValueError(f"{path}: the file embeds no tokenizer (tokenizer.ggml.*); pass --tokenizer DIR")
-        tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-        write_hf_tokenizer(meta, tmp)
-        # vLLM's tokenizer loader also reads the directory's config.
-        (tmp / "config.json").write_text(gguf.config().to_json_string())
-        try:
-            os.replace(tmp, dest)
-        except OSError:  # another process wrote it first
-            shutil.rmtree(tmp, ignore_errors=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(dest, directory=True, first_writer_wins=True) as tmp:
+            write_hf_tokenizer(meta, tmp)
+            # vLLM's tokenizer loader also reads the directory's config.
+            (tmp / "config.json").write_text(gguf.config().to_json_string())
     return dest
 
 

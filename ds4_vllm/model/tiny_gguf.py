@@ -22,13 +22,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as GgmlType
 
+from ds4_vllm.kvc.atomic import atomic_output
 from ds4_vllm.model.config import Ds4Config
 from ds4_vllm.model.default_model import CHAT_TEMPLATE, _tokenizer_files, cache_root, default_config
 from ds4_vllm.model.embedded import EMBEDDED_GGUF_MODELS
@@ -260,15 +260,8 @@ def tiny_gguf_file(name: str) -> Path:
     if final.is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
-    os.close(fd)
-    try:
+    with atomic_output(final, mode=0o644) as tmp:
         write_tiny_gguf(tmp, TINY_GGUF_QUANTS[name])
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return final
 
 

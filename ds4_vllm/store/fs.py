@@ -40,6 +40,7 @@ from ds4_vllm.kvc import (
     touch_checkpoint,
     write_checkpoint,
 )
+from ds4_vllm.kvc.atomic import atomic_output
 from ds4_vllm.kvc.constants import (
     DIR_MODE,
     FILE_MODE,
@@ -88,19 +89,10 @@ def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
     A fresh temp file is created exclusively beside it (never through a link), written,
     then renamed over `path`; a link at `path` is replaced, not written through.
     """
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}.{os.urandom(4).hex()}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(tmp, flags, FILE_MODE)
-    try:
-        with os.fdopen(fd, "wb") as fp:
-            os.fchmod(fp.fileno(), FILE_MODE)
-            fp.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_output(path) as tmp, os.fdopen(os.open(tmp, flags, FILE_MODE), "wb") as fp:
+        os.fchmod(fp.fileno(), FILE_MODE)
+        fp.write(data)
 
 
 def read_private_file(path: str | os.PathLike[str], max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes | None:
