@@ -48,7 +48,7 @@ if str(REPO_ROOT) not in sys.path:
 from ds4_vllm.kvc.atomic import atomic_output  # noqa: E402
 from ds4_vllm.model.config import Ds4Config, flash_config  # noqa: E402
 from ds4_vllm.model.default_model import cache_root  # noqa: E402
-from ds4_vllm.model.gguf_file import GGUF_ARCHITECTURE, Ds4GgufDims, ds4_tensor_layout  # noqa: E402
+from ds4_vllm.model.gguf_layout import GGUF_ARCHITECTURE, Ds4GgufDims, ds4_tensor_layout  # noqa: E402
 from ds4_vllm.model.tiny_gguf import (  # noqa: E402
     EXPERT_TYPES,
     _expert_scales,

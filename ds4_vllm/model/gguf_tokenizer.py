@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from ds4_vllm.model.gguf_file import GgufTokenizerMetadata
+from ds4_vllm.model.gguf_metadata import GgufTokenizerMetadata
 
 # llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre`, applied as ordered splits.
 PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {

@@ -32,7 +32,7 @@ from ds4_vllm.kvc.atomic import atomic_output
 from ds4_vllm.model.config import Ds4Config
 from ds4_vllm.model.default_model import CHAT_TEMPLATE, _tokenizer_files, cache_root, default_config
 from ds4_vllm.model.embedded import EMBEDDED_GGUF_MODELS
-from ds4_vllm.model.gguf_file import GGUF_ARCHITECTURE, KEY_PREFIX, Ds4GgufDims, ds4_tensor_layout
+from ds4_vllm.model.gguf_layout import GGUF_ARCHITECTURE, KEY_PREFIX, Ds4GgufDims, ds4_tensor_layout
 
 # Bump when the recipe changes: the cache then materializes new files.
 TINY_GGUF_VERSION = "v1"

@@ -224,7 +224,8 @@ def gguf_reference_weights(path: Path) -> dict[str, torch.Tensor]:
     """
     import gguf
 
-    from ds4_vllm.model.gguf_file import Ds4GgufFile, ds4_tensor_layout
+    from ds4_vllm.model.gguf_file import Ds4GgufFile
+    from ds4_vllm.model.gguf_layout import ds4_tensor_layout
 
     native_of = {
         spec.gguf_name: spec.native_name

@@ -16,7 +16,9 @@ from gguf import GGMLQuantizationType as GgmlType
 
 from ds4_vllm.model.config import Ds4Config
 from ds4_vllm.model.default_model import _tokenizer_files, default_config
-from ds4_vllm.model.gguf_file import GGML_TO_QUANT_TYPE, Ds4GgufError, Ds4GgufFile
+from ds4_vllm.model.gguf_file import Ds4GgufFile
+from ds4_vllm.model.gguf_layout import GGML_TO_QUANT_TYPE
+from ds4_vllm.model.gguf_metadata import Ds4GgufError
 from ds4_vllm.model.gguf_tokenizer import build_tokenizer
 from ds4_vllm.model.quant import QuantizedWeight
 from ds4_vllm.model.tiny_gguf import tiny_gguf_file, write_tiny_gguf

@@ -169,7 +169,10 @@ def test_ds4_kv_cli_writes_nothing_and_keeps_modes(tmp_path: Path, umask: int) -
 #: (module, function) -> why its files are covered (a test above) or not under the checkpoint directory.
 KNOWN_WRITERS = {
     ("ds4_vllm/kvc/file.py", "ensure_directory"): "0700 directories: test_store_creates_...",
-    ("ds4_vllm/kvc/atomic.py", "atomic_output"): "mkdir of a temp directory beside the caller's target (model files)",
+    (
+        "ds4_vllm/kvc/atomic.py",
+        "atomic_output",
+    ): "mkdir of a temp directory beside the caller's target (model files)",
     ("ds4_vllm/kvc/file.py", "write_checkpoint"): "checkpoints 0600: test_store_creates_...",
     ("ds4_vllm/kvc/file.py", "open_regular_file"): "opens existing files (read or in place), never creates",
     ("ds4_vllm/kvc/file.py", "touch_checkpoint"): "in place, mode kept: test_in_place_rewrites_...",
