@@ -3,7 +3,7 @@
 The scan never reads payloads. `refresh()` re-lists the directory and re-reads only new or
 changed files, because other processes (ds4 servers, other vLLM ranks, `ds4-kv gc`) add,
 touch and remove files at any time. Where the files are listed and read is a `Lister`:
-`LocalLister` (a directory, here) or the fsspec one of `ds4_vllm.store.fs`; the bookkeeping
+`LocalLister` (a directory, here) or the fsspec one of `ds4_vllm.store.object_fs`; the bookkeeping
 (which files changed, which vanished, which are invalid and why) is `CheckpointIndex.refresh`
 for both. The table is `entry_table.EntryTable`, the search `lookup`. Not thread-safe: one
 index per thread, or a lock.

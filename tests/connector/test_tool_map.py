@@ -7,7 +7,7 @@ from pathlib import Path
 from ds4_vllm.connector.tool_map import RequestToolMap
 from ds4_vllm.contracts import TOOL_IDS_KEY, TOOL_MAP_KEY
 from ds4_vllm.kvc import ToolMapEntry, open_checkpoint
-from ds4_vllm.store.fs import LocalFS
+from ds4_vllm.store.local_fs import LocalFS
 from ds4_vllm.store.tool_memory import ToolMemory, new_seed, tool_call_id
 
 OLD = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="old">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'

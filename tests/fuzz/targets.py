@@ -221,7 +221,8 @@ class ScanWorld:
             target.write_bytes(blob)
 
     def run(self, data: bytes) -> None:
-        from ds4_vllm.store.fs import QUARANTINE_DIR, LocalFS
+        from ds4_vllm.store.fs import QUARANTINE_DIR
+        from ds4_vllm.store.local_fs import LocalFS
         from ds4_vllm.store.tool_memory import ToolMemory
 
         self.reset()

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from ds4_vllm.kvc import CheckpointIndex, open_checkpoint
-from ds4_vllm.store.fs import FsspecFS
+from ds4_vllm.store.object_fs import FsspecFS
 from tests.model.engine_helpers import random_prompts
 from tests.ray.cluster import RayCluster, free_port
 

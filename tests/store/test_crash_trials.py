@@ -284,7 +284,7 @@ def test_other_writers_in_flight_bytes_count_once(tmp_path):
     not its own, not a write that has landed, and no claim above the budget."""
     from ds4_vllm.kvc import KvcHeader
     from ds4_vllm.kvc.header import pack_text_len
-    from ds4_vllm.store.fs import LocalFS
+    from ds4_vllm.store.local_fs import LocalFS
 
     fs = LocalFS(tmp_path)
     a, b, c, own, landed = (ch * 40 for ch in "abcde")

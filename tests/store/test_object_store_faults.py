@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ds4_vllm.store import CheckpointStore, CheckpointWriter
-from ds4_vllm.store.fs import FsspecFS
+from ds4_vllm.store.object_fs import FsspecFS
 from ds4_vllm.store.records import LoadFailure
 from tests.store.store_helpers import MICRO, header, opts, payload, text_of, toks
 

@@ -24,8 +24,9 @@ from ds4_vllm.serving.usage import CacheUsage
 from ds4_vllm.serving.usage_counters import COUNTERS_FILE, LOCK_FILE, UsageCounters
 from ds4_vllm.store import CheckpointWriter, LoadReport
 from ds4_vllm.store.checkpoint_store import CheckpointStore
-from ds4_vllm.store.fs import BUDGET_LOCK_NAME, LEASE_DIR, QUARANTINE_DIR, LocalFS
+from ds4_vllm.store.fs import BUDGET_LOCK_NAME, LEASE_DIR, QUARANTINE_DIR
 from ds4_vllm.store.leases import LeaseBook, marker_name
+from ds4_vllm.store.local_fs import LocalFS
 from ds4_vllm.store.model_identity import MODEL_MARKER
 from ds4_vllm.store.trace import TraceWriter
 
@@ -177,16 +178,21 @@ KNOWN_WRITERS = {
     ("ds4_vllm/kvc/file.py", "open_regular_file"): "opens existing files (read or in place), never creates",
     ("ds4_vllm/kvc/file.py", "touch_checkpoint"): "in place, mode kept: test_in_place_rewrites_...",
     ("ds4_vllm/kvc/file.py", "rewrite_tool_map"): "in place, mode kept: test_in_place_rewrites_...",
-    ("ds4_vllm/store/fs.py", "prepare"): "write probe 0600, removed at once",
-    ("ds4_vllm/store/fs.py", "quarantine"): "0700 folder: test_quarantine_folder_...",
+    ("ds4_vllm/store/local_fs.py", "prepare"): "write probe 0600, removed at once",
+    ("ds4_vllm/store/local_fs.py", "quarantine"): "0700 folder: test_quarantine_folder_...",
     (
         "ds4_vllm/store/fs.py",
         "write_private_file",
     ): "marker and counters 0600: test_store_..., test_usage_...",
-    ("ds4_vllm/store/fs.py", "__enter__"): "budget lock 0600: test_store_creates_...",
-    ("ds4_vllm/store/fs.py", "reserve"): "reservation files 0600: test_store_creates_...",
-    ("ds4_vllm/store/fs.py", "put_marker"): "lease markers 0600 in a 0700 folder: test_lease_markers_...",
-    ("ds4_vllm/store/fs.py", "write"): "fsspec staging in a private temporary directory, then upload",
+    ("ds4_vllm/store/local_fs.py", "__enter__"): "budget lock 0600: test_store_creates_...",
+    ("ds4_vllm/store/local_fs.py", "reserve"): "reservation files 0600: test_store_creates_...",
+    (
+        "ds4_vllm/store/local_fs.py",
+        "put_marker",
+    ): "lease markers 0600 in a 0700 folder: test_lease_markers_...",
+    ("ds4_vllm/store/object_fs.py", "prepare"): "object store: a write probe object, removed at once",
+    ("ds4_vllm/store/object_fs.py", "quarantine"): "object store: a move under quarantine/ (no local file)",
+    ("ds4_vllm/store/object_fs.py", "write"): "fsspec staging in a private temporary directory, then upload",
     ("ds4_vllm/store/trace.py", "__init__"): "trace 0600: test_trace_file_is_private",
     ("ds4_vllm/serving/usage_counters.py", "__enter__"): "lock file 0600: test_usage_counters_...",
     (

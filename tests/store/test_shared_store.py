@@ -27,8 +27,9 @@ from store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 from ds4_vllm.kvc import KvcFormatError, ModelDims, text_sha1, write_checkpoint
 from ds4_vllm.store import LoadReport
 from ds4_vllm.store.checkpoint_store import CheckpointStore
-from ds4_vllm.store.fs import FsspecFS, LocalFS
 from ds4_vllm.store.leases import parse_marker
+from ds4_vllm.store.local_fs import LocalFS
+from ds4_vllm.store.object_fs import FsspecFS
 
 pytestmark = pytest.mark.reliability
 

@@ -25,7 +25,8 @@ from ds4_vllm.kvc import KvcHeader, SaveReason, ToolMapEntry, checkpoint_name, t
 from ds4_vllm.kvc.constants import ExtFlag
 from ds4_vllm.store import CheckpointWriter, LoadFailure
 from ds4_vllm.store.checkpoint_store import CheckpointStore
-from ds4_vllm.store.fs import QUARANTINE_DIR, LocalFS
+from ds4_vllm.store.fs import QUARANTINE_DIR
+from ds4_vllm.store.local_fs import LocalFS
 from ds4_vllm.store.model_identity import MODEL_MARKER
 from ds4_vllm.store.options import StoreConfigError, StoreOptions
 from ds4_vllm.store.tool_memory import ToolMemory
@@ -222,7 +223,7 @@ import numpy as np
 from ds4_vllm.kvc import KvcFormatError, open_checkpoint, parse_checkpoint, read_prefix, CheckpointIndex
 from ds4_vllm.store import CheckpointWriter
 from ds4_vllm.store.checkpoint_store import CheckpointStore
-from ds4_vllm.store.fs import LocalFS
+from ds4_vllm.store.local_fs import LocalFS
 from ds4_vllm.store.options import StoreOptions
 from ds4_vllm.store.tool_memory import ToolMemory
 from tests.fuzz.seeds import NANO, NOW, CTX

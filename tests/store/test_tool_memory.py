@@ -10,7 +10,7 @@ import pytest
 from store_helpers import header, payload, toks
 
 from ds4_vllm.kvc import ToolMapEntry, open_checkpoint, write_checkpoint
-from ds4_vllm.store.fs import LocalFS
+from ds4_vllm.store.local_fs import LocalFS
 from ds4_vllm.store.tool_memory import (
     ToolMemory,
     find_tool_blocks,
@@ -173,7 +173,7 @@ def test_the_engines_tool_ids_reload_from_an_s3_store_as_from_a_local_directory(
     import s3fs
     from s3_server import moto_s3, new_bucket_url
 
-    from ds4_vllm.store.fs import FsspecFS
+    from ds4_vllm.store.object_fs import FsspecFS
 
     require(ENGINE_FILES / "q2", "the ds4 engine's test files")
     local = ToolMemory(checkpoints=LocalFS(ENGINE_FILES / "q2"))
