@@ -41,12 +41,10 @@ from .file import (
 )
 from .header import KvcHeader
 from .index import CheckpointIndex, IndexEntry, LookupResult, RefreshStats
-from .payload import (
+from .payload import LayerArrays, Payload, PayloadData
+from .payload_layout import (
     DS4_FLASH,
-    LayerArrays,
     ModelDims,
-    Payload,
-    PayloadData,
     PayloadHeader,
     PayloadLayout,
     compute_layout,

@@ -32,7 +32,8 @@ from .constants import (
 )
 from .errors import KvcFormatError
 from .header import KvcHeader, pack_text_len, unpack_prefix
-from .payload import Payload, PayloadLike, parse_payload, payload_size, write_payload
+from .payload import Payload, PayloadLike, parse_payload, write_payload
+from .payload_layout import payload_size
 from .trailer import ToolMap, ToolMapEntry, pack_tool_map, parse_tool_map
 
 PathArg = str | os.PathLike[str]

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .payload import LayerArrays, ModelDims, PayloadData, PayloadHeader, compute_layout, default_counts
+from .payload import LayerArrays, PayloadData
+from .payload_layout import ModelDims, PayloadHeader, compute_layout, default_counts
 
 
 def random_payload(

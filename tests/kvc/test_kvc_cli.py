@@ -10,6 +10,7 @@ import pytest
 from kvc_helpers import MICRO, new_header, random_payload, run_cli, tool_entries
 
 from ds4_vllm.cli import kv as cli
+from ds4_vllm.cli.kv_format import display_width
 from ds4_vllm.kvc import touch_checkpoint, write_checkpoint
 
 
@@ -29,7 +30,7 @@ def test_ls_table_escapes_and_fits(tmp_path: Path) -> None:
     assert lines[0].split()[:3] == ["SHA1", "TOKENS", "REASON"]
     assert "line one\\nline two\\x1b[31mred\\x07" in lines[2]
     assert "\x1b" not in proc.stdout.decode()
-    assert all(cli.display_width(line) <= 160 for line in lines)
+    assert all(display_width(line) <= 160 for line in lines)
     assert lines[1].split()[1] == "5" and lines[2].split()[1] == "20"
     assert "2 checkpoints" in lines[-1] and "total" in lines[-1]
     rev = run_cli("ls", str(tmp_path), "--sort", "tokens", "--reverse").stdout.decode().splitlines()
@@ -40,7 +41,7 @@ def test_ls_narrow_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     make(tmp_path, b"some text " * 20)
     monkeypatch.setenv("COLUMNS", "50")
     assert cli.main(["ls", str(tmp_path)]) == 0
-    assert all(cli.display_width(line) <= 50 for line in capsys.readouterr().out.splitlines())
+    assert all(display_width(line) <= 50 for line in capsys.readouterr().out.splitlines())
 
 
 def test_inspect_text_and_json(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from kvc_helpers import MICRO, new_header, random_payload, tool_entries
 
 from ds4_vllm.cli.kv import verify_file
 from ds4_vllm.kvc import CheckpointIndex, KvcFormatError, open_checkpoint, parse_checkpoint, read_prefix
-from ds4_vllm.kvc.payload import compute_layout
+from ds4_vllm.kvc.payload_layout import compute_layout
 
 pytestmark = pytest.mark.reliability
 
