@@ -7,13 +7,15 @@ pass without checking the project's central claim (files interchangeable with th
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-ENGINE_TESTDATA = SHARED / "testdata" / "ds4-engine"
+#: The engine's recorded files; DS4_ENGINE_TESTDATA points the tests at another recording.
+ENGINE_TESTDATA = Path(os.environ.get("DS4_ENGINE_TESTDATA", SHARED / "testdata" / "ds4-engine"))
 TINY_GGUF_MAKE_SH = SHARED / "tools" / "ds4-tiny-gguf" / "make.sh"
 
 
@@ -29,6 +31,12 @@ def require(path: Path, what: str) -> None:
     if in_ci():
         pytest.fail(f"{message}; under CI=true a missing file is a failure, not a skip", pytrace=False)
     pytest.skip(message, allow_module_level=True)
+
+
+def engine_manifest() -> dict:
+    """The engine recording's `manifest.json` (its requests, answers and files)."""
+    require(ENGINE_TESTDATA / "manifest.json", "the ds4 engine's test files")
+    return json.loads((ENGINE_TESTDATA / "manifest.json").read_text())
 
 
 def make_engine_ggufs(out: Path) -> dict[str, Path]:

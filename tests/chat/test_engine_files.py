@@ -8,7 +8,6 @@ ids over the prompt, and our prompt length equals the prompt token count the eng
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -33,11 +32,6 @@ class EngineFile:
             self.text = bytes(ck.text)
             self.tokens = [int(t) for t in ck.payload.tokens]
             self.tool_map = {e.tool_id.decode(): e.dsml.decode() for e in ck.tool_map.entries}
-
-
-@pytest.fixture(scope="module")
-def manifest() -> dict:
-    return json.loads((TESTDATA / "manifest.json").read_text())
 
 
 @pytest.fixture(scope="module")

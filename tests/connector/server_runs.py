@@ -1,11 +1,33 @@
-"""What the real-server fault tests share: no-cache reference answers and the ds4disk flags."""
+"""What the real-server persistence and fault tests share: the common flags, greedy completions
+as token ids, no-cache reference answers and the ds4disk flags."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.connector.test_persistence_server import COMMON, answer_ids, complete
 from tests.e2e.server_process import ServerProcess
+
+#: The flags of every server in these tests (float32: answers compared token for token).
+COMMON = ["--model", "ds4", "--max-model-len", "8192", "--dtype", "float32", "--enable-prompt-tokens-details"]
+MAX_TOKENS = 8
+
+
+def complete(server: ServerProcess, prompt: list[int]):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
+    return client.completions.create(
+        model="ds4",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+
+
+def answer_ids(completion) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
 
 
 def reference_answers(

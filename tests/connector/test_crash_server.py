@@ -25,8 +25,7 @@ import pytest
 
 from ds4_vllm.kvc import KvcFormatError, open_checkpoint
 from ds4_vllm.kvc.constants import TMP_MARKER
-from tests.connector.server_runs import ds4disk_flags, reference_answers
-from tests.connector.test_persistence_server import COMMON, answer_ids, complete
+from tests.connector.server_runs import COMMON, answer_ids, complete, ds4disk_flags, reference_answers
 from tests.e2e.server_process import ServerProcess
 from tests.model.engine_helpers import random_prompts
 

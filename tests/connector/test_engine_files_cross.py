@@ -21,8 +21,6 @@ apart (inputs straddling a rounding boundary). Measured figures are given at eac
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 import time
@@ -38,12 +36,12 @@ from ds4_vllm.chat.tokenizer import default_tokenizer
 from ds4_vllm.kvc import open_checkpoint, text_sha1
 from ds4_vllm.model.kv_layout import frontier_tokens
 from tests.model.engine_helpers import ds4disk_config, greedy, make_engine, shutdown_engine
-from tests.shared_data import ENGINE_TESTDATA, TINY_GGUF_MAKE_SH, make_engine_ggufs, require
+from tests.shared_data import ENGINE_TESTDATA, make_engine_ggufs
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 #: DS4_ENGINE_TESTDATA points at another copy of the engine files (e.g. one with a file restored).
-TESTDATA = Path(os.environ.get("DS4_ENGINE_TESTDATA", ENGINE_TESTDATA))
+TESTDATA = ENGINE_TESTDATA
 CTX = {"q2": 16384, "q4": 20000}  # the -c of the engine's runs (manifest "runs")
 NOPE_DIMS = 64  # head_dim 128 - n_rot 64: the dims that take the FP8 round trip
 EOS_ID = 1
@@ -124,13 +122,6 @@ SAMPLED_AT_A_TIE = {"R3": 1}
 # against the chain's ~60 (manifest lm_head_design). We measured 0.308 (271: -0.551, "OK": -0.859),
 # i.e. the engine's draw had probability 0.42; 0.6 allows twice the designed gap.
 TIE_GAP = 0.6  # Q2 repeats R1's body
-
-
-@pytest.fixture(scope="module")
-def manifest() -> dict:
-    require(TESTDATA / "manifest.json", "the ds4 engine's test files")
-    require(TINY_GGUF_MAKE_SH, "the tiny GGUF generator of the ds4 engine runs")
-    return json.loads((TESTDATA / "manifest.json").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -21,32 +21,13 @@ import pytest
 
 from ds4_vllm.kvc import CheckpointIndex, open_checkpoint
 from ds4_vllm.kvc.constants import TMP_MARKER
+from tests.connector.server_runs import COMMON, MAX_TOKENS, answer_ids, complete
 from tests.e2e.server_process import ServerProcess
 from tests.model.engine_helpers import random_prompts
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["--model", "ds4", "--max-model-len", "8192", "--dtype", "float32", "--enable-prompt-tokens-details"]
-MAX_TOKENS = 8
 STREAMED_BEFORE_SIGTERM = 300
-
-
-def complete(server: ServerProcess, prompt: list[int]):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300)
-    return client.completions.create(
-        model="ds4",
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        logprobs=1,
-        extra_body={"return_tokens_as_token_ids": True},
-    )
-
-
-def answer_ids(completion) -> list[int]:
-    return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
 
 
 def wait_for_checkpoint(disk_dir, tokens: int, timeout: float = 60.0) -> None:

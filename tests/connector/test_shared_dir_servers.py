@@ -17,8 +17,7 @@ import time
 
 import pytest
 
-from tests.connector.server_runs import ds4disk_flags, reference_answers
-from tests.connector.test_persistence_server import COMMON, answer_ids, complete
+from tests.connector.server_runs import COMMON, answer_ids, complete, ds4disk_flags, reference_answers
 from tests.e2e.server_process import ServerProcess
 from tests.model.engine_helpers import random_prompts
 

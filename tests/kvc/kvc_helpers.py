@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,11 +35,6 @@ def real_files() -> list[Path]:
 def require_testdata() -> Path:
     require(TESTDATA / "manifest.json", "the ds4 engine's test files")
     return TESTDATA
-
-
-def load_manifest() -> dict:
-    root = require_testdata()
-    return json.loads((root / "manifest.json").read_text())
 
 
 def random_payload(

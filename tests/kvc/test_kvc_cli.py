@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvc_helpers import MICRO, new_header, random_payload, run_cli, tool_entries
 
 from ds4_vllm.cli import kv as cli
 from ds4_vllm.cli.kv_format import display_width
 from ds4_vllm.kvc import touch_checkpoint, write_checkpoint
+from tests.kvc.kvc_helpers import MICRO, new_header, random_payload, run_cli, tool_entries
 
 
 def make(d: Path, text: bytes, tokens: int = 9, tools: int = 0, now: int = 1_767_225_600) -> Path:
@@ -125,7 +125,7 @@ def test_ls_mentions_invalid_files(tmp_path: Path) -> None:
 def test_console_script_points_at_main() -> None:
     import tomllib
 
-    from kvc_helpers import REPO_ROOT
+    from tests.kvc.kvc_helpers import REPO_ROOT
 
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["ds4-kv"] == "ds4_vllm.cli.kv:main" and callable(cli.main)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvc_helpers import MICRO, new_header, random_payload, tool_entries
 
 from ds4_vllm.kvc import (
     ExtFlag,
@@ -35,6 +34,7 @@ from ds4_vllm.kvc import (
     touch_checkpoint,
     write_checkpoint,
 )
+from tests.kvc.kvc_helpers import MICRO, new_header, random_payload, tool_entries
 
 SECTIONS = ("raw", "comp", "state_kv", "state_score", "index_comp", "index_state_kv", "index_state_score")
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvc_helpers import MICRO, new_header, random_payload, tool_entries
 
 from ds4_vllm.cli.kv import verify_file
 from ds4_vllm.kvc import CheckpointIndex, KvcFormatError, open_checkpoint, parse_checkpoint, read_prefix
 from ds4_vllm.kvc.payload_layout import compute_layout
+from tests.kvc.kvc_helpers import MICRO, new_header, random_payload, tool_entries
 
 pytestmark = pytest.mark.reliability
 

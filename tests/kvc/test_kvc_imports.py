@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvc_helpers import REPO_ROOT
+from tests.kvc.kvc_helpers import REPO_ROOT
 
 CODE = """
 import sys

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from kvc_helpers import MICRO, random_payload
 
 from ds4_vllm.kvc import CheckpointIndex, KvcHeader, SaveReason, touch_checkpoint, write_checkpoint
+from tests.kvc.kvc_helpers import MICRO, random_payload
 
 PROMPT = b"<|begin|>system: be brief<|User|>hello there, how are you today?<|Assistant|>"
 

@@ -6,7 +6,6 @@ import io
 
 import numpy as np
 import pytest
-from kvc_helpers import MICRO, TINY, random_payload
 
 from ds4_vllm.kvc import (
     DS4_FLASH,
@@ -20,6 +19,7 @@ from ds4_vllm.kvc import (
     payload_size,
 )
 from ds4_vllm.kvc.payload import parse_payload, write_payload
+from tests.kvc.kvc_helpers import MICRO, TINY, random_payload
 
 # spec §3.2 example: graph backend, ctx = 100000, T = 2048
 SPEC_PAYLOAD_HEADER = bytes.fromhex(

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from kvc_helpers import TESTDATA, real_files, require_testdata, run_cli
 
 from ds4_vllm.kvc import CheckpointIndex, open_checkpoint, write_checkpoint
 from ds4_vllm.kvc.payload_layout import payload_size
+from tests.kvc.kvc_helpers import TESTDATA, real_files, require_testdata, run_cli
 
 # inspect --json names for the manifest's payload_header keys (ours are snake_case)
 PAYLOAD_KEYS = {"ctx": "ctx_size", "T": "n_tokens", "idx_dim": "index_dim"}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -95,6 +94,5 @@ def parse_probe_output(text: str) -> dict:
     return json.loads(lines[-1].removeprefix("MEMORY_PROBE "))
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __name__ == "__main__":  # python -m tests.model.memory_probe, from the repository root
     main()

@@ -41,11 +41,6 @@ def engine_files(engine_ggufs) -> dict[str, Ds4GgufFile]:
     return {q: Ds4GgufFile.open(p) for q, p in engine_ggufs.items()}
 
 
-@pytest.fixture(scope="session")
-def manifest() -> dict:
-    return json.loads(MANIFEST.read_text())
-
-
 def dequantize(weight: QuantizedWeight) -> np.ndarray:
     return gguf.quants.dequantize(weight.data.numpy(), QUANT_TO_GGML[weight.qtype]).reshape(weight.shape)
 

@@ -11,7 +11,7 @@ from ds4_vllm.model.parallel import Split, TpGroup, take_part
 from ds4_vllm.model.quant import QuantizedWeight, QuantType
 from ds4_vllm.model.quant.dequant import dequantize
 from ds4_vllm.model.quant.modules import QuantExperts, QuantLinear
-from tests.model.test_quant_dequant import random_fp8_weight, random_gguf_weight, random_mxfp4_weight
+from tests.model.quant_weights import random_fp8_weight, random_gguf_weight, random_mxfp4_weight
 
 GGUF = [QuantType.Q8_0, QuantType.Q2_K, QuantType.Q4_K, QuantType.IQ2_XXS]
 

@@ -24,7 +24,7 @@ from ds4_vllm.chat.responses_request import render_responses
 from ds4_vllm.chat.template import RenderedPrompt
 from ds4_vllm.chat.tokenizer import ASSISTANT, THINK_END, default_tokenizer
 from tests.e2e.server_process import ServerProcess
-from tests.shared_data import ENGINE_TESTDATA, require
+from tests.shared_data import ENGINE_TESTDATA
 
 pytestmark = pytest.mark.slow
 
@@ -354,12 +354,6 @@ def test_rendering_errors_are_client_errors(server) -> None:
 # -- the ds4 engine's own requests -----------------------------------------------------------------
 
 CTX = {"q2": 16384, "q4": 20000}  # the engine runs' -c (manifest "runs"); only max effort reads it
-
-
-@pytest.fixture(scope="module")
-def manifest() -> dict:
-    require(TESTDATA / "manifest.json", "the ds4 engine's test files")
-    return json.loads((TESTDATA / "manifest.json").read_text())
 
 
 def engine_texts(manifest: dict, request: str) -> list[bytes]:

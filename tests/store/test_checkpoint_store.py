@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 
 import pytest
-from store_helpers import NOW, WIDE, header, opts, payload, put, text_of, toks
 
 from ds4_vllm.kvc import ModelDims, SaveReason, read_prefix
 from ds4_vllm.store import CheckpointWriter, LoadFailure, LoadReport, LookupOutcome
 from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.options import StoreConfigError
+from tests.store.store_helpers import NOW, WIDE, header, opts, payload, put, text_of, toks
 
 
 def open_store(directory: Path | str, **kw) -> CheckpointStore:

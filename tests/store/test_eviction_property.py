@@ -7,11 +7,11 @@ import uuid
 import fsspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 
 from ds4_vllm.store import LoadReport
 from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.eviction import MIB, EvictionEntry, plan_eviction
+from tests.store.store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 
 entry = st.builds(
     EvictionEntry,

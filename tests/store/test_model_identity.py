@@ -7,11 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from store_helpers import opts
 
 from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.model_identity import MODEL_MARKER, model_fingerprint, model_label
 from ds4_vllm.store.options import StoreConfigError, StoreOptions, default_disk_dir
+from tests.store.store_helpers import opts
 
 
 def model_dir(path: Path, weights: bytes, config: dict | None = None) -> Path:

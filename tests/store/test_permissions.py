@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from store_helpers import NOW, header, opts, payload, put, text_of, toks
 
 from ds4_vllm.kvc import ToolMapEntry, rewrite_tool_map, touch_checkpoint
 from ds4_vllm.serving.usage import CacheUsage
@@ -29,6 +28,7 @@ from ds4_vllm.store.leases import LeaseBook, marker_name
 from ds4_vllm.store.local_fs import LocalFS
 from ds4_vllm.store.model_identity import MODEL_MARKER
 from ds4_vllm.store.trace import TraceWriter
+from tests.store.store_helpers import NOW, header, opts, payload, put, text_of, toks
 
 pytestmark = pytest.mark.reliability
 

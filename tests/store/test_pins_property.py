@@ -13,11 +13,11 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 
 from ds4_vllm.store import CheckpointWriter, LoadFailure, LoadReport, tokens_digest
 from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.eviction import MIB
+from tests.store.store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 
 BUDGET_MB = 1
 

@@ -21,8 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from s3_server import moto_s3, new_bucket_url
-from store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 
 from ds4_vllm.kvc import KvcFormatError, ModelDims, text_sha1, write_checkpoint
 from ds4_vllm.store import LoadReport
@@ -30,6 +28,8 @@ from ds4_vllm.store.checkpoint_store import CheckpointStore
 from ds4_vllm.store.leases import parse_marker
 from ds4_vllm.store.local_fs import LocalFS
 from ds4_vllm.store.object_fs import FsspecFS
+from tests.store.s3_server import moto_s3, new_bucket_url
+from tests.store.store_helpers import NOW, WIDE, header, opts, payload, text_of, toks
 
 pytestmark = pytest.mark.reliability
 

@@ -11,7 +11,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from store_helpers import header, payload
 
 from ds4_vllm.chat.tokenizer import (
     _BYTE_CHARS,
@@ -32,6 +31,7 @@ from ds4_vllm.store.text_reuse import (
     hidden_spans,
     sequence_keys,
 )
+from tests.store.store_helpers import header, payload
 
 TOK = default_tokenizer()
 SYSTEM = BOS + "You are a helpful assistant that answers in one short sentence."

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from store_helpers import header, payload, toks
 
 from ds4_vllm.kvc import ToolMapEntry, open_checkpoint, write_checkpoint
 from ds4_vllm.store.local_fs import LocalFS
@@ -21,6 +20,7 @@ from ds4_vllm.store.tool_memory import (
 )
 from ds4_vllm.store.trailers import read_tool_map
 from tests.shared_data import ENGINE_TESTDATA, require
+from tests.store.store_helpers import header, payload, toks
 
 ENGINE_FILES = ENGINE_TESTDATA
 BLOCK_A = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="a">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
@@ -171,9 +171,9 @@ def test_the_engines_tool_ids_reload_from_an_s3_store_as_from_a_local_directory(
     same ids and blocks through the store's filesystem layer; a file another server writes later
     is read on the request that names its id; a corrupt trailer is skipped."""
     import s3fs
-    from s3_server import moto_s3, new_bucket_url
 
     from ds4_vllm.store.object_fs import FsspecFS
+    from tests.store.s3_server import moto_s3, new_bucket_url
 
     require(ENGINE_FILES / "q2", "the ds4 engine's test files")
     local = ToolMemory(checkpoints=LocalFS(ENGINE_FILES / "q2"))

@@ -1,19 +1,27 @@
-"""Fixtures shared by the model tests."""
+"""Fixtures shared across the suite: the ds4 engine's recording and the transformers reference."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
+def manifest() -> dict:
+    """The ds4 engine's recorded requests, answers and files (`../shared/testdata/ds4-engine`)."""
+    from tests.shared_data import engine_manifest
+
+    return engine_manifest()
+
+
+@pytest.fixture(scope="session")
 def reference_model():
     """transformers' DeepseekV4ForCausalLM on the default model's weights (the independent reference)."""
+    import torch
     from transformers import DeepseekV4ForCausalLM
 
     from ds4_vllm.model.config import Ds4Config, to_transformers_config
