@@ -87,7 +87,9 @@ class CheckpointLoader:
         if base in self.linears and kind in ("weight", "scale"):
             self._put(name, (base, None), kind, value)
             return
-        if target in self.stacks:  # a whole stack at once (GGUF)
+        if target in self.stacks:  # a whole stack at once (GGUF, transformers' down_proj)
+            if not isinstance(value, QuantizedWeight):
+                value = self._float(name, value)  # in the model's dtype, not cast on every step
             self._install(name, self.stacks[target], None, value)
             return
         self._copy(name, target, value)

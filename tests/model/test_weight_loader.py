@@ -219,3 +219,24 @@ def test_every_weight_lands_on_the_device_the_model_was_built_on() -> None:
     model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
     placed = {name: t.device.type for name, t in [*model.named_parameters(), *model.named_buffers()]}
     assert placed and {name for name, device in placed.items() if device != "meta"} == set()
+
+
+def test_every_float_weight_is_in_the_model_dtype_after_loading() -> None:
+    """Issue 25: built as vLLM builds it (default dtype bf16) from the default model's safetensors,
+    transformers' whole `experts.down_proj` stacks stayed float32 and were cast on every MoE call.
+    Every float parameter and buffer is now bf16; only RoPE's computed frequencies stay float32."""
+    from ds4_vllm.model.default_model import default_config
+    from tests.model.direct_model import build_model
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = build_model(default_config(), torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+    float32 = {
+        re.sub(r"\.\d+\.", ".N.", name)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.is_floating_point() and t.dtype != torch.bfloat16
+    }
+    assert float32 == {"model.layers.N.self_attn.rope.inv_freq"}
