@@ -8,8 +8,8 @@
     both with a warm page cache (nothing is dropped);
 (c) decode tokens/s of one request with and without the connector (same engine otherwise).
 
-    .venv/bin/python benchmarks/bench_connector.py                        # 2k and 8k tokens
-    .venv/bin/python benchmarks/bench_connector.py --lengths 2048 8192 32768
+    .venv/bin/python -m benchmarks.bench_connector                        # 2k and 8k tokens
+    .venv/bin/python -m benchmarks.bench_connector --lengths 2048 8192 32768
 
 Phases A, B and (c) run as subprocesses of this script (`--phase cold|restored|decode`),
 so "after restart" is a real new process. Writes benchmarks/results/connector.json.
@@ -22,17 +22,19 @@ import dataclasses
 import json
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from reporting import (
+
+from benchmarks.reporting import (
+    child_env,
     ds4disk_config,
     machine_info,
     make_engine,
+    module_command,
     print_table,
     random_prompts,
     shutdown_engine,
@@ -209,8 +211,7 @@ def run_phase(args: argparse.Namespace, phase: str, directory: Path | None, log:
     """Run one engine phase as a fresh Python process; return its JSON result."""
     result_file = log.with_suffix(".json")
     cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
+        *module_command("benchmarks.bench_connector"),
         "--phase",
         phase,
         "--result-file",
@@ -235,7 +236,9 @@ def run_phase(args: argparse.Namespace, phase: str, directory: Path | None, log:
     print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as fp:
-        proc = subprocess.run(cmd, stdout=fp, stderr=subprocess.STDOUT, timeout=args.phase_timeout)
+        proc = subprocess.run(
+            cmd, stdout=fp, stderr=subprocess.STDOUT, timeout=args.phase_timeout, env=child_env()
+        )
     text = log.read_text()
     for line in text.splitlines():
         if line.startswith("[phase]") or re.search(r"kv cache (hit|loaded|stored|skipped|load failed)", line):

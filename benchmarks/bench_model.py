@@ -1,8 +1,8 @@
 """Prefill and decode speed of the default `ds4` model in vLLM against transformers' eager
 reference (`DeepseekV4ForCausalLM`), side by side in one run (issue 2).
 
-    .venv/bin/python benchmarks/bench_model.py                      # defaults below
-    .venv/bin/python benchmarks/bench_model.py --prefill 512 2048 --decode-tokens 64 --batch 1 8
+    .venv/bin/python -m benchmarks.bench_model                      # defaults below
+    .venv/bin/python -m benchmarks.bench_model --prefill 512 2048 --decode-tokens 64 --batch 1 8
 
 Prefill: time to first token (a max_tokens=1 request) / prompt tokens.
 Decode: (time for N new tokens - time for 1 new token) over the same prompts gives the time
@@ -19,8 +19,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from reporting import machine_info, make_engine, print_table, random_prompts, shutdown_engine, timed_generate
-from reporting import write_json as write_results
+from benchmarks.reporting import (
+    machine_info,
+    make_engine,
+    print_table,
+    random_prompts,
+    shutdown_engine,
+    timed_generate,
+)
+from benchmarks.reporting import write_json as write_results
 
 
 def load_reference() -> Any:

@@ -5,7 +5,7 @@ bytes with finite scales. For each: packed MB/s read and M values/s written, to 
 to bfloat16, plus gguf-py's numpy dequantizer on the same bytes for the GGUF types. Prints a
 table; asserts nothing. F32 to float32 and BF16 to bfloat16 are zero-copy views ("view").
 
-    python benchmarks/dequant_speed.py [--repeat 5] [--threads N] [--device cpu]
+    python -m benchmarks.dequant_speed [--repeat 5] [--threads N] [--device cpu]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ it on the default model, in one run:
   blocking depends on the batch), the floor any restore comparison sits on.
 
 For each, |Δ log-prob| over the reference's top-5 tokens at every decode step: count, median,
-p99 and max. `python benchmarks/measure_roundoff.py` writes `benchmarks/results/roundoff.json`;
+p99 and max. `python -m benchmarks.measure_roundoff` writes `benchmarks/results/roundoff.json`;
 tests cite it where they set a tolerance.
 """
 
@@ -23,7 +23,8 @@ import tempfile
 from typing import Any
 
 import numpy as np
-from reporting import (
+
+from benchmarks.reporting import (
     ds4disk_config,
     greedy,
     machine_info,

@@ -19,8 +19,8 @@
     read of the restored file (cache dropped) plus B's prefill of a fresh 16-token prompt.
     Full run: the slice model at 32k tokens; quick run: the default model at 2k.
 
-    python benchmarks/micro.py            # full (the 32k cold prefill of the slice takes long)
-    python benchmarks/micro.py --quick    # a few minutes
+    python -m benchmarks.micro            # full (the 32k cold prefill of the slice takes long)
+    python -m benchmarks.micro --quick    # a few minutes
 
 Writes benchmarks/results/<YYYY-MM-DD>/micro.json and micro.png. Nothing here asserts a time.
 """
@@ -38,7 +38,6 @@ import re
 import secrets
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -47,13 +46,8 @@ from typing import Any
 
 import numpy as np
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
-
-from reporting import RESULTS_DIR, machine_info, print_table  # noqa: E402
-
-from ds4_vllm.kvc import (  # noqa: E402
+from benchmarks.reporting import RESULTS_DIR, child_env, machine_info, module_command, print_table
+from ds4_vllm.kvc import (
     KvcHeader,
     ModelDims,
     PayloadData,
@@ -61,8 +55,8 @@ from ds4_vllm.kvc import (  # noqa: E402
     open_checkpoint,
     write_checkpoint,
 )
-from ds4_vllm.kvc.index import DIR_SETTLE_NS  # noqa: E402
-from ds4_vllm.kvc.synthetic import random_payload  # noqa: E402
+from ds4_vllm.kvc.index import DIR_SETTLE_NS
+from ds4_vllm.kvc.synthetic import random_payload
 
 CHUNK = 8 << 20
 FULL_LENGTHS = (2048, 8192, 32768, 131072)
@@ -367,7 +361,7 @@ def lookup_cost(
 
 
 def _engine(model: str, directory: Path, max_model_len: int) -> Any:
-    from reporting import ds4disk_config, make_engine
+    from benchmarks.reporting import ds4disk_config, make_engine
 
     return make_engine(
         model=model,
@@ -380,8 +374,8 @@ def _engine(model: str, directory: Path, max_model_len: int) -> Any:
 
 def phase(args: argparse.Namespace) -> dict[str, Any]:
     """One engine process of (c): `cold` (prefill the prompt) or `restored` (prompt + suffix)."""
-    from bench_connector import flush, prompt_for, suffix_for, wait_quiet
-    from reporting import shutdown_engine, timed_generate
+    from benchmarks.bench_connector import flush, prompt_for, suffix_for, wait_quiet
+    from benchmarks.reporting import shutdown_engine, timed_generate
 
     directory = Path(args.dir)
     t0 = time.perf_counter()
@@ -418,8 +412,7 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
 def _run_phase(args: argparse.Namespace, name: str, model: str, directory: Path, log: Path) -> dict[str, Any]:
     result = log.with_suffix(".json")
     cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
+        *module_command("benchmarks.micro"),
         "--phase",
         name,
         "--model",
@@ -436,7 +429,7 @@ def _run_phase(args: argparse.Namespace, name: str, model: str, directory: Path,
     print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
     # One forward of a 2,048-token chunk of the slice takes minutes on a loaded 2-core machine;
     # vLLM's default 300 s limit per execute_model call would kill the engine.
-    env = {**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(args.phase_timeout))}
+    env = child_env({**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(args.phase_timeout))})
     with open(log, "w") as fp:
         proc = subprocess.run(cmd, stdout=fp, stderr=subprocess.STDOUT, timeout=args.phase_timeout, env=env)
     text = log.read_text()
@@ -635,7 +628,7 @@ def tables(results: dict[str, Any]) -> str:
 
 
 def _slice_config() -> Any:
-    from slice_model import slice_config
+    from benchmarks.slice_model import slice_config
 
     return slice_config()
 
@@ -696,7 +689,7 @@ def run(
             results["lookup"] = lookup_cost(lookup_counts, work, calls=50 if quick else 200)
         if "restart" in parts:
             if restart_model.startswith("slice"):  # "slice", or "slice:16" for 16 routed experts
-                from slice_model import slice_for
+                from benchmarks.slice_model import slice_for
 
                 _, path, label = slice_for(restart_model)
                 model = str(path)

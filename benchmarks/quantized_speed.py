@@ -2,8 +2,8 @@
 model with dequantized float weights, side by side in one run, and load time against file size
 (issue 8).
 
-    .venv/bin/python benchmarks/quantized_speed.py                       # defaults below
-    .venv/bin/python benchmarks/quantized_speed.py --quant q2 --prefill 512 --batch 1
+    .venv/bin/python -m benchmarks.quantized_speed                       # defaults below
+    .venv/bin/python -m benchmarks.quantized_speed --quant q2 --prefill 512 --batch 1
 
 For each quant, the float side is the GGUF dequantized by gguf-py (`tests/model/
 quantized_checkpoints.py`) and written as a safetensors directory with the GGUF's own config, so
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_model import run_side, vllm_generate
-from reporting import machine_info, make_engine, print_table, shutdown_engine
-from reporting import write_json as write_results
+from benchmarks.bench_model import run_side, vllm_generate
+from benchmarks.reporting import machine_info, make_engine, print_table, shutdown_engine
+from benchmarks.reporting import write_json as write_results
 
 
 def dequantized_dir(gguf_path: Path, dest: Path) -> Path:

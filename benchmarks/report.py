@@ -1,8 +1,8 @@
 """One benchmark report (issue 11): agent traffic against four prefix-cache set-ups, plus optional parts.
 
-    python benchmarks/report.py quick    # 3 conversations, 4 rounds (35 min at load 50-80, 8 server starts)
-    python benchmarks/report.py full     # 4 conversations, 24 rounds (107 requests per system)
-    python benchmarks/report.py quick --systems ds4disk memory --no-parts
+    python -m benchmarks.report quick    # 3 conversations, 4 rounds (35 min at load 50-80, 8 server starts)
+    python -m benchmarks.report full     # 4 conversations, 24 rounds (107 requests per system)
+    python -m benchmarks.report quick --systems ds4disk memory --no-parts
 
 Both write `benchmarks/results/<YYYY-MM-DD>/` (or `--out DIR`): `report.json` (every figure,
 every request), `report.md` (tables), `ttft_by_request.png`, `hit_rate.png`, and what the
@@ -26,7 +26,6 @@ import importlib
 import json
 import os
 import re
-import sys
 import threading
 import time
 import traceback
@@ -35,11 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.agent_traffic import (  # noqa: E402
+from benchmarks.agent_traffic import (
     RequestRecord,
     TrafficConfig,
     plan_summary,

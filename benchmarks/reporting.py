@@ -21,12 +21,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 # Engines, prompts and sampling are the tests' own, so benchmarks measure what tests check.
 from tests.model.engine_helpers import ds4disk_config, greedy, random_prompts, shutdown_engine  # noqa: E402
 from tests.model.engine_helpers import make_engine as make_test_engine  # noqa: E402
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line that runs benchmark `module` (e.g. "benchmarks.micro") in a fresh Python."""
+    return [sys.executable, "-m", module, *args]
+
+
+def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """`base` (this process's environment by default) with the repository root on PYTHONPATH, so
+    `python -m benchmarks.x` children import the package from any working directory."""
+    env = dict(os.environ if base is None else base)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO_ROOT) if not path else f"{REPO_ROOT}{os.pathsep}{path}"
+    return env
+
 
 __all__ = ["ds4disk_config", "greedy", "random_prompts", "shutdown_engine", "make_engine", "machine_info"]
 

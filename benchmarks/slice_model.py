@@ -23,7 +23,7 @@ loader maps the file, so the stack is resident once): every layer still dequanti
 its full-width experts, so per-layer compute and memory traffic are the real model's, while the
 file and the resident weights stay at ~4.1 GB. `expert_stacks=4` writes distinct stacks.
 
-    python benchmarks/slice_model.py [DEST_DIR]     # prints the path (made once, then cached)
+    python -m benchmarks.slice_model [DEST_DIR]     # prints the path (made once, then cached)
 """
 
 from __future__ import annotations
@@ -41,15 +41,11 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as GgmlType
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from ds4_vllm.kvc.atomic import atomic_output  # noqa: E402
-from ds4_vllm.model.config import Ds4Config, flash_config  # noqa: E402
-from ds4_vllm.model.default_model import cache_root  # noqa: E402
-from ds4_vllm.model.gguf_layout import GGUF_ARCHITECTURE, Ds4GgufDims, ds4_tensor_layout  # noqa: E402
-from ds4_vllm.model.tiny_gguf import (  # noqa: E402
+from ds4_vllm.kvc.atomic import atomic_output
+from ds4_vllm.model.config import Ds4Config, flash_config
+from ds4_vllm.model.default_model import cache_root
+from ds4_vllm.model.gguf_layout import GGUF_ARCHITECTURE, Ds4GgufDims, ds4_tensor_layout
+from ds4_vllm.model.tiny_gguf import (
     EXPERT_TYPES,
     _expert_scales,
     _random_expert_blocks,

@@ -7,17 +7,11 @@ comments); the benchmark run checks what it writes, never how long anything took
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-from arithmetic import flops_by_component, prefill_flops, prefill_flops_by_component, token_flops  # noqa: E402
+from benchmarks.arithmetic import flops_by_component, prefill_flops, prefill_flops_by_component, token_flops
 
 # One ratio-4 layer. Per token (FLOP = 2 x multiply-adds):
 #   projections 784 = q_a 2*4*4=32 + q_b 2*4*(2*8)=128 + kv 2*4*8=64 + o_a 2*(2*8)*2=64 + o_b 2*(2*2)*4=32
@@ -85,7 +79,7 @@ def test_ratio_128_layer_attends_to_every_compressed_row():
 
 
 def test_quick_path_writes_figures_and_plot(tmp_path):
-    import model_scaling
+    from benchmarks import model_scaling
 
     result = model_scaling.run(
         tmp_path, quick=True, lengths=[40, 150], repeats=1, engine=False, reference=False
@@ -110,8 +104,9 @@ def test_quick_path_writes_figures_and_plot(tmp_path):
 
 def test_chunked_prefill_matches_one_step():
     """The benchmark's chunked prefill is the model's own: same last hidden state as one step."""
-    import model_scaling
     import torch
+
+    from benchmarks import model_scaling
 
     net, _ = model_scaling.build_direct_model("ds4")
     ids = torch.randint(1000, 100000, (300,), generator=torch.Generator().manual_seed(3))

@@ -8,23 +8,16 @@ what it says (shapes, quant types, shared expert bytes, determinism, lookups tha
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import gguf
 import pytest
 from gguf import GGMLQuantizationType as GgmlType
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
-
-import micro  # noqa: E402
-import slice_model  # noqa: E402
-
-from ds4_vllm.kvc import ModelDims, checkpoint_file_size, payload_size  # noqa: E402
-from ds4_vllm.model.gguf_file import Ds4GgufFile  # noqa: E402
-from ds4_vllm.model.quant.dequant import dequantize  # noqa: E402
+from benchmarks import micro, slice_model
+from ds4_vllm.kvc import ModelDims, checkpoint_file_size, payload_size
+from ds4_vllm.model.gguf_file import Ds4GgufFile
+from ds4_vllm.model.quant.dequant import dequantize
 
 # Narrow widths, 8 experts, 2,048-token vocabulary (no embedded tokenizer): a 25 MB file.
 REDUCED = dict(
