@@ -206,7 +206,7 @@ class Ds4Tokenizer:
             right = syms[j]
             if ranks.get(f"{left} {right}") != rank:
                 continue  # stale: a neighbour merged since this pair was queued
-            merged = left + right  # type: ignore[operator]
+            merged = left + right  # type: ignore[operator]  # queued pairs are never merged-away (None) symbols
             syms[i], syms[j] = merged, None
             nxt[i] = nxt[j]
             if nxt[j] < n:

@@ -15,7 +15,7 @@ DS4's cache layers never call the per-layer save/load hooks.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.config import VllmConfig
@@ -34,6 +34,19 @@ from ds4_vllm.model.kv_layout import Ds4KVLayout
 from ds4_vllm.model.parallel import TpGroup
 from ds4_vllm.store import StoreOptions
 from ds4_vllm.store.model_identity import model_fingerprint, model_label
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from ds4_vllm.connector.scheduler import Ds4DiskScheduler
+    from ds4_vllm.connector.worker import Ds4DiskWorker
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +89,15 @@ def store_options(vllm_config: VllmConfig) -> tuple[StoreOptions, str]:
 
     Without ``--kv-disk-dir`` the checkpoints go to a folder of this model's own.
     """
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    transfer = vllm_config.kv_transfer_config
+    extra = (transfer.kv_connector_extra_config if transfer is not None else None) or {}
     model = vllm_config.model_config.model
     fingerprint = model_fingerprint(model, vllm_config.model_config.revision)
     options = StoreOptions.from_extra_config(extra).for_model(f"{model_label(model)}-{fingerprint[:12]}")
     return options, fingerprint
 
 
-def kv_layout(vllm_config: VllmConfig, kv_cache_config) -> Ds4KVLayout:
+def kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ds4KVLayout:
     groups: dict[str, tuple[int, int]] = {}
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         for name in group.layer_names:
@@ -103,7 +117,8 @@ def _require_recompute_policy(vllm_config: VllmConfig) -> None:
     vLLM's default is "fail" and vLLM reads the policy from the config, so it is the user's
     setting (`--kv-connector ds4disk` sets it); anything else is refused, naming the key.
     """
-    policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+    transfer = vllm_config.kv_transfer_config
+    policy = transfer.kv_load_failure_policy if transfer is not None else None
     if policy != "recompute":
         raise ValueError(
             f"ds4disk needs kv_transfer_config.kv_load_failure_policy = 'recompute' (got {policy!r}): "
@@ -113,12 +128,14 @@ def _require_recompute_policy(vllm_config: VllmConfig) -> None:
 
 
 class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         options, fingerprint = store_options(vllm_config)
         layout = kv_layout(vllm_config, kv_cache_config)
-        self.scheduler = None
-        self.worker = None
+        self.scheduler: Ds4DiskScheduler | None = None
+        self.worker: Ds4DiskWorker | None = None
         self.stats_delta = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             from ds4_vllm.connector.scheduler import Ds4DiskScheduler
@@ -137,6 +154,16 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
                 writes_files=TpGroup.current().rank == 0,
             )
 
+    def _scheduler_side(self) -> Ds4DiskScheduler:
+        if self.scheduler is None:
+            raise RuntimeError("ds4disk: a scheduler hook was called on the worker-side connector")
+        return self.scheduler
+
+    def _worker_side(self) -> Ds4DiskWorker:
+        if self.worker is None:
+            raise RuntimeError("ds4disk: a worker hook was called on the scheduler-side connector")
+        return self.worker
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a save lost to preemption is a later miss, never a wrong answer."""
@@ -144,60 +171,71 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
-        self.scheduler.kv_cache_manager = kv_cache_manager
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._scheduler_side().kv_cache_manager = kv_cache_manager
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # A checkpoint restores every group (raw window, compressed rows, frontiers).
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
-        self.scheduler.worker_results(
+        self._scheduler_side().worker_results(
             set(connector_output.finished_recving or ()),
             set(connector_output.failed_recving or ()),
             worker_meta if isinstance(worker_meta, Ds4DiskWorkerMetadata) else None,
         )
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, (block_ids,))
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, (block_ids,))
 
-    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, block_ids)
 
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        self._worker_side().register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self.worker.start_load_kv(self._get_connector_metadata())
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, Ds4DiskMetadata):
+            raise TypeError(f"ds4disk: connector metadata is {type(meta).__name__}, not Ds4DiskMetadata")
+        self._worker_side().start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return None
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata if isinstance(self._connector_metadata, Ds4DiskMetadata) else None
-        self.worker.wait_for_save(meta)
+        self._worker_side().wait_for_save(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self.worker.take_results()
+        sending, recving, failed = self._worker_side().take_results()
         return KVConnectorTransferResults(sending, recving, failed)
 
     def build_connector_worker_meta(self) -> Ds4DiskWorkerMetadata | None:
-        return self.worker.take_worker_meta()
+        return self._worker_side().take_worker_meta()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -206,7 +244,9 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ metrics (both sides)
 
     def get_kv_connector_stats(self) -> Ds4DiskStats | None:
-        stats = self.scheduler.store.stats if self.scheduler is not None else self.worker.stats.snapshot()
+        stats = (
+            self.scheduler.store.stats if self.scheduler is not None else self._worker_side().stats.snapshot()
+        )
         delta = self.stats_delta.take(stats)
         return Ds4DiskStats(data=delta) if delta else None
 
@@ -216,7 +256,11 @@ class Ds4DiskConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(
-        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
     ) -> Ds4DiskPromMetrics:
         return Ds4DiskPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -9,11 +9,15 @@ Both connector halves report the growth of their store's counters each step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ds4_vllm.store import StoreStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 #: Exported counters and their help text. Keys are StoreStats fields.
 COUNTERS = {
@@ -66,7 +70,13 @@ class Ds4DiskStats(KVConnectorStats):
 
 
 class Ds4DiskPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict[tuple[str, int], Any] = {}
         for key, help_text in COUNTERS.items():

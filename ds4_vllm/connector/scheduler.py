@@ -19,17 +19,19 @@ import dataclasses
 import logging
 import os
 import signal
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
+from ds4_vllm.connector.metadata import BlockIds, Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
 from ds4_vllm.connector.token_text import TokenText
 from ds4_vllm.connector.tool_map import RequestToolMap
 from ds4_vllm.contracts import ASSISTANT, DISK_TOKENS_PARAM, USER
-from ds4_vllm.kvc import KvcHeader, PayloadHeader, SaveReason, payload_size
+from ds4_vllm.kvc import KvcHeader, PayloadHeader, SaveReason, ToolMapEntry, payload_size
 from ds4_vllm.model.config import routed_expert_quant_bits
 from ds4_vllm.model.kv_layout import Ds4KVLayout
 from ds4_vllm.store import (
@@ -43,6 +45,10 @@ from ds4_vllm.store import (
     finished_save,
     plan_prefill_saves,
 )
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +93,7 @@ class Ds4DiskScheduler:
         self.shutdown_saved = False
         _chain_shutdown_signal(self._on_shutdown_signal)
         self.trace = TraceWriter(options.trace) if options.trace else None
-        self.kv_cache_manager = None
+        self.kv_cache_manager: KVCacheManager | None = None
         self.requests: dict[str, RequestState] = {}
         self.lookups: dict[str, tuple[int, LookupOutcome | None]] = {}
         self.pending_loads: dict[str, PendingLoad] = {}
@@ -96,7 +102,9 @@ class Ds4DiskScheduler:
 
     # ------------------------------------------------------------------ lookups
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         req_id = request.request_id
         state = self.requests.setdefault(req_id, RequestState(request))
         prompt = request.prompt_token_ids or []
@@ -159,7 +167,9 @@ class Ds4DiskScheduler:
             return other
         return outcome
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """Called after allocation; for an async load vLLM calls it again (with 0) once loaded."""
         pending = self.pending_loads.get(request.request_id)
         if pending is None or pending.scheduled:
@@ -168,7 +178,7 @@ class Ds4DiskScheduler:
             del self.pending_loads[request.request_id]
             return
         pending.scheduled = True
-        self.store.pin(pending.outcome.path)
+        self.store.pin(pending.outcome.file_path())
         state = self.requests.get(request.request_id)
         if state is not None:
             state.disk_tokens = num_external_tokens
@@ -276,7 +286,7 @@ class Ds4DiskScheduler:
             state.last_stored = point.tokens
 
     def _save_job(
-        self, req_id: str, state: RequestState, point: SaveDecision, block_ids, **kw
+        self, req_id: str, state: RequestState, point: SaveDecision, block_ids: BlockIds, **kw: Any
     ) -> SaveJob | None:
         """A save the store admitted (budget reserved, visible to lookups), or None."""
         tokens = list(state.request.all_token_ids[: point.tokens])
@@ -308,12 +318,14 @@ class Ds4DiskScheduler:
             state.tool_map = RequestToolMap(params, prompt_bytes)
         return state.tool_map
 
-    def _file_size(self, text_bytes: int, n_tokens: int, tool_map=()) -> int:
+    def _file_size(self, text_bytes: int, n_tokens: int, tool_map: Iterable[ToolMapEntry] = ()) -> int:
         n_comp, n_index = self.layout.counts(n_tokens)
         header = PayloadHeader.build(self.layout.dims, ctx_size=self.ctx_size, n_tokens=n_tokens)
         return self.store.file_size(text_bytes, payload_size(header, n_comp, n_index), tool_map)
 
-    def _block_ids(self, req_id: str):
+    def _block_ids(self, req_id: str) -> BlockIds:
+        if self.kv_cache_manager is None:
+            raise RuntimeError("ds4disk: vLLM never bound its KV cache manager to the connector")
         return tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
 
     # ------------------------------------------------------------------ finish
@@ -330,9 +342,9 @@ class Ds4DiskScheduler:
             if outcome is None:
                 continue
             ok = req_id not in failed
-            report = reports.get(req_id) or LoadReport(outcome.path, ok, "" if ok else "load failed")
+            report = reports.get(req_id) or LoadReport(outcome.file_path(), ok, "" if ok else "load failed")
             self.store.finish_load(outcome, report)
-            self.store.unpin(outcome.path)
+            self.store.unpin(outcome.file_path())
         for req_id in failed:
             # vLLM resets the request to recompute; it must not be offered the file again.
             self.lookups[req_id] = (self.lookups.get(req_id, (0, None))[0], None)
@@ -342,16 +354,16 @@ class Ds4DiskScheduler:
                 state.disk_tokens = 0
                 state.decision = _with(state.decision, disk_cached_tokens=0, disk_miss_reason="load failed")
 
-    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         state = self.requests.pop(req_id, None)
         self.lookups.pop(req_id, None)
         pending = self.pending_loads.pop(req_id, None)
         if pending is not None and pending.scheduled:
-            self.store.unpin(pending.outcome.path)
+            self.store.unpin(pending.outcome.file_path())
         loading = self.loading.pop(req_id, None)
         if loading is not None:
-            self.store.unpin(loading.path)
+            self.store.unpin(loading.file_path())
         if state is None:
             return False, None
         # How many prompt tokens came from disk, for the API server's usage fields
@@ -389,7 +401,7 @@ class Ds4DiskScheduler:
             self.trace.close()
 
 
-def _chain_shutdown_signal(callback) -> None:
+def _chain_shutdown_signal(callback: Callable[[], None]) -> None:
     """Call `callback` on SIGTERM/SIGINT before vLLM's own handler (vLLM has no shutdown hook).
 
     vLLM's engine core installs its handlers before it builds the scheduler, so chaining here
@@ -399,7 +411,7 @@ def _chain_shutdown_signal(callback) -> None:
         try:
             previous = signal.getsignal(signum)
 
-            def handler(sig, frame, previous=previous):
+            def handler(sig: int, frame: FrameType | None, previous: Any = previous) -> None:
                 callback()
                 if callable(previous):
                     previous(sig, frame)
@@ -412,6 +424,6 @@ def _chain_shutdown_signal(callback) -> None:
             return
 
 
-def _with(decision: CacheDecision | None, **changes) -> CacheDecision:
+def _with(decision: CacheDecision | None, **changes: Any) -> CacheDecision:
     base = decision if decision is not None else CacheDecision(0, 0)
     return dataclasses.replace(base, **changes)

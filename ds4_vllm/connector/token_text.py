@@ -13,7 +13,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from ds4_vllm.store.text_reuse import ASSISTANT, THINK_END, THINK_START, hidden_spans
+from ds4_vllm.contracts import ASSISTANT, THINK_END, THINK_START
+from ds4_vllm.store.text_reuse import hidden_spans
 
 FULLWIDTH_BAR = "\uff5c"
 

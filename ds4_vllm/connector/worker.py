@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
 from ds4_vllm.contracts import STEP_HIDDEN_KEY
-from ds4_vllm.kvc import PayloadData, PayloadHeader, SaveReason
+from ds4_vllm.kvc import LayerArrays, PayloadData, PayloadHeader, SaveReason
 from ds4_vllm.model.kv_layout import Ds4KVLayout, StateUnavailable
 from ds4_vllm.store import (
     CheckpointWriter,
@@ -41,6 +42,9 @@ from ds4_vllm.store import (
     tokens_digest,
 )
 from ds4_vllm.store.fs import open_fs
+
+if TYPE_CHECKING:
+    from ds4_vllm.model.model import StepHidden
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ class Ds4DiskWorker:
         self.write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
         self.stats = StoreStats()  # this side's counters: loads, drops, waits
         self.caches: dict[str, torch.Tensor] = {}
-        self.previous_step = None  # the last forward's StepHidden (finished requests ran in it)
+        self.previous_step: StepHidden | None = None  # the last forward's (finished requests ran in it)
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
@@ -94,12 +98,12 @@ class Ds4DiskWorker:
 
     def start_load_kv(self, meta: Ds4DiskMetadata) -> None:
         # Finished requests first: a load in this same step may want the state they hold.
-        for job in meta.saves:
-            if job.after_finish:
-                self._save(job, self.previous_step)
-                self.finished_sending.add(job.req_id)
-        for job in meta.loads:
-            self._load(job)
+        for save in meta.saves:
+            if save.after_finish:
+                self._save(save, self.previous_step)
+                self.finished_sending.add(save.req_id)
+        for load in meta.loads:
+            self._load(load)
 
     def _load(self, job: LoadJob) -> None:
         started = time.perf_counter()
@@ -107,7 +111,7 @@ class Ds4DiskWorker:
         n_tokens = outcome.entry_tokens
         source = "memory"
         try:
-            copied = self.queue.find(outcome.sha1)
+            copied = self.queue.find(outcome.sha1) if outcome.sha1 is not None else None
             if copied is not None:
                 save, _, layers = copied
                 if tokens_digest(save.tokens[: outcome.agreed_tokens]) != outcome.tokens_digest:
@@ -163,7 +167,7 @@ class Ds4DiskWorker:
         if step is not None:
             self.previous_step = step
 
-    def _save(self, job: SaveJob, step) -> None:
+    def _save(self, job: SaveJob, step: StepHidden | None) -> None:
         """Copy the state after the job's tokens out of the cache now; write it in the background."""
         n_tokens = job.ticket.n_tokens
         group = self.layout.layers[0].raw.group
@@ -178,9 +182,9 @@ class Ds4DiskWorker:
         except StateUnavailable as exc:
             self._not_saved(job, str(exc))
             return
-        logits = logits.cpu().numpy().astype(np.float32)
-        nbytes = logits.nbytes + _nbytes(layers)
-        accepted, waited = self.queue.put(job.ticket.sha1, nbytes, (job, logits, layers))
+        host_logits = logits.cpu().numpy().astype(np.float32)
+        nbytes = host_logits.nbytes + _nbytes(layers)
+        accepted, waited = self.queue.put(job.ticket.sha1, nbytes, (job, host_logits, layers))
         self.stats.save_wait_seconds += waited
         if waited > 1.0:
             logger.info("kv cache writer behind: step waited %.1f s for queue room", waited)
@@ -213,7 +217,7 @@ class Ds4DiskWorker:
                 self._write_reports.append(report)
             self.queue.done(sha1)
 
-    def _write(self, job: SaveJob, logits: np.ndarray, layers) -> WriteReport:
+    def _write(self, job: SaveJob, logits: np.ndarray, layers: list[LayerArrays]) -> WriteReport:
         n_tokens = job.ticket.n_tokens
         n_comp, n_index = self.layout.counts(n_tokens)
         payload = PayloadData(
@@ -253,7 +257,7 @@ class Ds4DiskWorker:
         self.thread.join(timeout=5)
 
 
-def _nbytes(layers) -> int:
+def _nbytes(layers: list[LayerArrays]) -> int:
     """Memory held by one checkpoint's copied layer arrays."""
     total = 0
     for layer in layers:

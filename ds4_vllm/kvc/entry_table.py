@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, ValuesView
 from pathlib import Path
 
 from .header import KvcHeader
@@ -70,7 +70,7 @@ class EntryTable:
     def __getitem__(self, path: Path) -> IndexEntry:
         return self._entries[path]
 
-    def values(self):
+    def values(self) -> ValuesView[IndexEntry]:
         return self._entries.values()
 
     def __setitem__(self, path: Path, entry: IndexEntry) -> None:

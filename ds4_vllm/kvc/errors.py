@@ -36,5 +36,9 @@ class KvcFormatError(ValueError):
         at = f" at byte {self.offset}" if self.offset is not None else ""
         return f"{where}: {self.field}{at}: {self.reason}"
 
-    def __reduce__(self):  # keep pickling (multiprocessing) working with the 4-arg constructor
+    def __reduce__(
+        self,
+    ) -> tuple[
+        type[KvcFormatError], tuple[object, ...]
+    ]:  # keep pickling (multiprocessing) working with the 4-arg constructor
         return (type(self), (self.path, self.offset, self.field, self.reason))

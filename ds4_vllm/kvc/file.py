@@ -322,11 +322,13 @@ def write_checkpoint(
     text = bytes(text)
     trailer = pack_tool_map(tool_map)
     raw_payload: memoryview | None = None
+    structured: PayloadLike | None = None
     if isinstance(payload, bytes | bytearray | memoryview):
         raw_payload = memoryview(payload).cast("B")
         parse_payload(raw_payload, 0, len(raw_payload))  # never write bytes we could not read back
         size = len(raw_payload)
     else:
+        structured = payload
         size = payload_size(payload.header, payload.n_comp, payload.n_index_comp)
         if payload.header.n_tokens != header.tokens:
             raise KvcFormatError(
@@ -347,8 +349,8 @@ def write_checkpoint(
             fp.write(text)
             if raw_payload is not None:
                 fp.write(raw_payload)
-            else:
-                write_payload(fp.write, payload)
+            elif structured is not None:
+                write_payload(fp.write, structured)
             fp.write(trailer)
             fp.flush()
             if fsync:

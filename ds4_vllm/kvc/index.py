@@ -80,7 +80,7 @@ class Listed:
     name: str
     path: Path
     ident: int
-    sig: tuple | None
+    sig: tuple[object, ...] | None
     read: Callable[[], FileHead | str] | None = None
 
 
@@ -117,7 +117,7 @@ class CheckpointIndex:
         self._lister = lister if lister is not None else LocalLister(self.directory)
         self._entries = EntryTable(trust_text=verify_text)
         self._invalid: dict[Path, str] = {}
-        self._sigs: dict[Path, tuple] = {}
+        self._sigs: dict[Path, tuple[object, ...]] = {}
         self._names: dict[str, tuple[Path, int]] = {}  # listed name -> (path, ident)
 
     @property
@@ -289,6 +289,7 @@ class LocalLister:
                 if stat.S_ISDIR(st.st_mode):
                     continue
                 sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                read: Callable[[], FileHead | str]
                 if stat.S_ISREG(st.st_mode):
                     read = functools.partial(_read_local, path, st.st_mtime_ns)
                 else:

@@ -226,7 +226,7 @@ def write_payload(write: Callable[[Any], Any], data: PayloadLike) -> int:
     def emit(arr: np.ndarray) -> None:
         nonlocal written
         if arr.size:
-            write(memoryview(arr.reshape(-1).view(np.uint8)))
+            write(memoryview(arr.reshape(-1).view(np.uint8).data))
             written += arr.nbytes
 
     write(header.pack())

@@ -51,7 +51,7 @@ class Ds4HfTokenizer(TokenizersBackend):
             ids = ids[len(ids) - max_length :] if self.truncation_side == "left" else ids[:max_length]
         return ids
 
-    def encode(  # type: ignore[override]
+    def encode(  # type: ignore[override]  # transformers' overloads; the ds4 tokenizer takes one text
         self,
         text: str,
         text_pair: str | None = None,
@@ -64,7 +64,7 @@ class Ds4HfTokenizer(TokenizersBackend):
             raise ValueError("the ds4 tokenizer encodes one text, not text pairs")
         return self._ids(text, truncation, max_length)
 
-    def __call__(  # type: ignore[override]
+    def __call__(  # type: ignore[override]  # same: one text or a list of texts, no pairs
         self,
         text: str | Sequence[str],
         text_pair: str | None = None,
@@ -85,7 +85,7 @@ class Ds4HfTokenizer(TokenizersBackend):
             mask = [[1] * len(i) for i in ids]
         return BatchEncoding({"input_ids": ids, "attention_mask": mask})
 
-    def tokenize(self, text: str, **kwargs: Any) -> list[str]:  # type: ignore[override]
+    def tokenize(self, text: str, **kwargs: Any) -> list[str]:  # type: ignore[override]  # no pair
         return self.convert_ids_to_tokens(self.ds4.encode(text))
 
     def num_special_tokens_to_add(self, pair: bool = False) -> int:
@@ -96,7 +96,7 @@ class Ds4TokenizerLoader(TokenizerLike):
     """The `TokenizerRegistry` entry of mode `ds4` (vLLM calls `from_pretrained`)."""
 
     @classmethod
-    def from_pretrained(  # type: ignore[override]
+    def from_pretrained(  # type: ignore[override]  # vLLM's loader signature, not transformers'
         cls,
         path_or_repo_id: str | Path,
         *args: Any,
@@ -122,4 +122,4 @@ class Ds4TokenizerLoader(TokenizerLike):
         if not isinstance(hf, Ds4HfTokenizer):
             raise TypeError(f"{path_or_repo_id}: expected a byte-level BPE tokenizer.json, got {type(hf)}")
         hf.ds4 = ds4_tokenizer_of(hf)
-        return get_cached_tokenizer(hf)  # type: ignore[return-value]
+        return get_cached_tokenizer(hf)  # type: ignore[return-value]  # vLLM types the cached copy as its base class

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ def token_agreement(a: np.ndarray, b: Sequence[int]) -> int:
 
 
 def agreement_outcome(
-    tokens: np.ndarray, prompt_tokens: Sequence[int], min_tokens: int, **candidate: object
+    tokens: np.ndarray, prompt_tokens: Sequence[int], min_tokens: int, **candidate: Any
 ) -> LookupOutcome:
     """The outcome for a candidate (a file or an in-flight write) holding `tokens`.
 

@@ -258,7 +258,7 @@ class FsspecFS:
 
     def read_small(self, name: str) -> bytes | None:
         try:
-            return self.fs.cat_file(self._join(name))
+            return bytes(self.fs.cat_file(self._join(name)))
         except FileNotFoundError:
             return None
 

@@ -220,7 +220,7 @@ class Setting:
             return
         if not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool)):
             raise StoreConfigError(f"{flag_names(key)}: expected {self.kind_name}, got {value!r}")
-        if self.kind is int and value < self.minimum:
+        if self.kind is int and isinstance(value, int) and value < self.minimum:
             raise StoreConfigError(f"{flag_names(key)}: must be >= {self.minimum}, got {value}")
         if self.kind is str and not value:
             raise StoreConfigError(f"{flag_names(key)}: must not be empty")

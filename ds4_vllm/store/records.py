@@ -52,6 +52,12 @@ class LookupOutcome:
     in_flight: bool = False
     tokens_digest: str | None = dataclasses.field(default=None, repr=False)
 
+    def file_path(self) -> str:
+        """The checkpoint a hit names (pinned, loaded, reported); a miss names none."""
+        if self.path is None:
+            raise ValueError(f"lookup outcome names no checkpoint: {self.reason}")
+        return self.path
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriteTicket:

@@ -48,9 +48,14 @@ DEFAULT_MAX_BYTES = 256 << 20
 MAX_BACKOFF_TOKENS = 8
 
 
-class TokenizerLike(Protocol):
-    special_ids: Mapping[str, int]
+class SpecialIds(Protocol):
+    """What `hidden_spans` reads of a tokenizer: the ids of its special tokens."""
 
+    @property
+    def special_ids(self) -> Mapping[str, int]: ...
+
+
+class TokenizerLike(SpecialIds, Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
     def encode(self, text: str) -> list[int]: ...
@@ -127,7 +132,7 @@ def sequence_keys(ids: Sequence[int], tokenizer: TokenizerLike) -> list[KeyText]
     return keys
 
 
-def hidden_spans(ids: Sequence[int], tokenizer: TokenizerLike) -> list[tuple[int, int]]:
+def hidden_spans(ids: Sequence[int], tokenizer: SpecialIds) -> list[tuple[int, int]]:
     """[start, stop) of every closed reasoning block that starts right after `<｜Assistant｜>`."""
     special = tokenizer.special_ids
     assistant, start_id, end_id = special[ASSISTANT], special[THINK_START], special[THINK_END]

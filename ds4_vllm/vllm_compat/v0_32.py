@@ -191,8 +191,8 @@ def resolve_default_model_name() -> None:
         return original_speculators(model, tokenizer, *args, **kwargs)
 
     setattr(create_engine_config, _PATCHED_MARK, True)
-    arg_utils.EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
-    arg_utils.EngineArgs.create_model_config = create_model_config  # type: ignore[method-assign]
+    arg_utils.EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]  # the patch itself
+    arg_utils.EngineArgs.create_model_config = create_model_config  # type: ignore[method-assign]  # the patch itself
     arg_utils.get_model_path = get_model_path
     arg_utils.maybe_override_with_speculators = maybe_override_with_speculators
 
@@ -245,7 +245,7 @@ def record_request_outputs() -> None:
 
     wrapper = record_outputs(AsyncLLM.generate)
     setattr(wrapper, _PATCHED_MARK, True)
-    AsyncLLM.generate = wrapper  # type: ignore[method-assign]
+    AsyncLLM.generate = wrapper  # type: ignore[method-assign]  # the patch itself
 
 
 def load_ds4_endpoint_plugin_by_default() -> None:
@@ -296,7 +296,7 @@ def keep_generators_of_discarded_rows() -> None:
             self.input_batch.generators.update(hidden)
 
     setattr(sample_tokens, _PATCHED_MARK, True)
-    GPUModelRunner.sample_tokens = sample_tokens  # type: ignore[method-assign]
+    GPUModelRunner.sample_tokens = sample_tokens  # type: ignore[method-assign]  # the patch itself
 
 
 def _take_discarded_generators(runner: Any) -> dict[int, Any]:
