@@ -5,7 +5,8 @@
     same directory, enable_prefix_caching=False so the prefix can only come from disk);
 (b) restore read bandwidth: `ds4_vllm.kvc.open_checkpoint` + copying every payload array into
     a preallocated buffer, against a plain sequential read of the same files (8 MiB chunks);
-    both with a warm page cache (nothing is dropped);
+    both with a warm page cache (nothing is dropped). The timings are `file_reads`', the same
+    as `micro` (a) takes with the page cache dropped;
 (c) decode tokens/s of one request with and without the connector (same engine otherwise).
 
     .venv/bin/python -m benchmarks.bench_connector                        # 2k and 8k tokens
@@ -18,7 +19,6 @@ so "after restart" is a real new process. Writes benchmarks/results/connector.js
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import subprocess
@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.file_reads import checkpoint_restore, sequential_read
 from benchmarks.reporting import (
     child_env,
     ds4disk_config,
@@ -142,37 +143,6 @@ def phase_decode(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- read bandwidth
 
 
-def sequential_read(path: Path, buf: bytearray) -> float:
-    view = memoryview(buf)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as fp:
-        while fp.readinto(view):
-            pass
-    return time.perf_counter() - t0
-
-
-def copy_payload(payload: Any, dst: np.ndarray) -> int:
-    """Copy tokens, logits and every layer's arrays into `dst`; return the float32 words copied."""
-    arrays = [payload.tokens, payload.logits]
-    for layer in payload.layers:
-        arrays += [a for a in (getattr(layer, f.name) for f in dataclasses.fields(layer)) if a is not None]
-    at = 0
-    for a in arrays:
-        np.copyto(dst[at : at + a.size].reshape(a.shape), a, casting="unsafe")
-        at += a.size
-    return at
-
-
-def restore_read(path: Path, dst: np.ndarray) -> float:
-    """open_checkpoint (validates, maps) + copy every payload array into `dst` (preallocated)."""
-    from ds4_vllm.kvc import open_checkpoint
-
-    t0 = time.perf_counter()
-    with open_checkpoint(path) as ck:
-        copy_payload(ck.payload, dst)
-    return time.perf_counter() - t0
-
-
 def read_bandwidth(paths: list[Path], repeats: int) -> list[dict[str, Any]]:
     """One row per (tokens, reason) among `paths`, smallest file first."""
     from ds4_vllm.kvc import read_prefix
@@ -187,9 +157,9 @@ def read_bandwidth(paths: list[Path], repeats: int) -> list[dict[str, Any]]:
         size = path.stat().st_size
         buf = bytearray(CHUNK)
         dst = np.empty(size // 4 + 1, dtype=np.float32)
-        sequential_read(path, buf), restore_read(path, dst)  # warm the page cache and the code
+        sequential_read(path, buf), checkpoint_restore(path, dst)  # warm the page cache and the code
         seq = min(sequential_read(path, buf) for _ in range(repeats))
-        res = min(restore_read(path, dst) for _ in range(repeats))
+        res = min(checkpoint_restore(path, dst) for _ in range(repeats))
         rows.append(
             {
                 "file": path.name,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import dataclasses
 import json
 import mmap
 import os
@@ -46,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.file_reads import checkpoint_restore, sequential_read
 from benchmarks.reporting import RESULTS_DIR, child_env, machine_info, module_command, print_table
 from ds4_vllm.kvc import (
     KvcHeader,
@@ -156,24 +156,6 @@ def synthetic_payload(
     return random_payload(dims, rng, tokens=n_tokens if tokens is None else tokens, ctx_size=ctx_size)
 
 
-def payload_arrays(payload: Any) -> list[np.ndarray]:
-    arrays = [payload.tokens, payload.logits]
-    for layer in payload.layers:
-        arrays += [a for a in (getattr(layer, f.name) for f in dataclasses.fields(layer)) if a is not None]
-    return arrays
-
-
-def checkpoint_restore(path: Path, dst: np.ndarray) -> float:
-    """Seconds for open_checkpoint (validate + map) plus copying every payload array into `dst`."""
-    t0 = time.perf_counter()
-    with open_checkpoint(path) as ck:
-        at = 0
-        for a in payload_arrays(ck.payload):
-            np.copyto(dst[at : at + a.size].reshape(a.shape), a, casting="unsafe")
-            at += a.size
-    return time.perf_counter() - t0
-
-
 def sequential_write(path: Path, nbytes: int, block: bytes) -> float:
     """Seconds to write `nbytes` (chunks of `block`) and fsync, like a writer without structure."""
     t0 = time.perf_counter()
@@ -187,15 +169,6 @@ def sequential_write(path: Path, nbytes: int, block: bytes) -> float:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return time.perf_counter() - t0
-
-
-def sequential_read(path: Path, buf: bytearray) -> float:
-    view = memoryview(buf)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as fp:
-        while fp.readinto(view):
-            pass
     return time.perf_counter() - t0
 
 
