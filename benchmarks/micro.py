@@ -28,10 +28,7 @@ Writes benchmarks/results/<YYYY-MM-DD>/micro.json and micro.png. Nothing here as
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
-import mmap
 import os
 import re
 import secrets
@@ -46,7 +43,10 @@ from typing import Any
 import numpy as np
 
 from benchmarks.file_reads import checkpoint_restore, sequential_read
-from benchmarks.reporting import RESULTS_DIR, child_env, machine_info, module_command, print_table
+from benchmarks.micro_goals import MAX_OVER_BOUND, MIN_RESTART_SPEEDUP
+from benchmarks.micro_render import plot, tables
+from benchmarks.page_cache import drop_file_cache, page_cache_control
+from benchmarks.reporting import RESULTS_DIR, child_env, machine_info, module_command
 from ds4_vllm.kvc import (
     KvcHeader,
     ModelDims,
@@ -64,80 +64,7 @@ QUICK_LENGTHS = (2048, 8192)
 LOOKUP_COUNTS = (10, 1000, 10000)
 REPEATS = 3
 SUFFIX_TOKENS = 16
-#: Issue 11's goal for (c): a restore after a restart at least this much faster than cold...
-MIN_RESTART_SPEEDUP = 20.0
-#: ...and within this factor of reading the file sequentially plus prefilling the suffix.
-MAX_OVER_BOUND = 1.5
 TEXT_BYTES_PER_TOKEN = 4  # about what DeepSeek's tokenizer gives on English text
-
-
-# ---------------------------------------------------------------------------- page cache
-
-
-def _libc() -> Any:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-def resident_fraction(path: Path) -> float:
-    """Fraction of the file's pages in the page cache (`mincore` on a read-only map)."""
-    size = path.stat().st_size
-    if size == 0:
-        return 0.0
-    page = mmap.PAGESIZE
-    pages = (size + page - 1) // page
-    libc = _libc()
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-        try:
-            vec = ctypes.create_string_buffer(pages)
-            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-            return sum(b & 1 for b in vec.raw) / pages
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), size)
-    finally:
-        os.close(fd)
-
-
-def drop_file_cache(path: Path) -> float:
-    """fsync `path`, drop its pages with POSIX_FADV_DONTNEED; return the fraction still resident."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return resident_fraction(path)
-
-
-def page_cache_control() -> dict[str, Any]:
-    """What this machine allows for dropping the page cache (nothing global is dropped)."""
-    out: dict[str, Any] = {"method": "posix_fadvise(POSIX_FADV_DONTNEED) per file, after fsync"}
-    try:
-        fd = os.open("/proc/sys/vm/drop_caches", os.O_WRONLY)
-    except OSError as exc:
-        out["drop_caches"] = f"not allowed: {exc.strerror} (errno {exc.errno})"
-    else:
-        os.close(fd)
-        out["drop_caches"] = (
-            "writable, not used: it drops the whole machine's page cache, which the other "
-            "engineers' engines on this shared machine rely on"
-        )
-    return out
 
 
 # ---------------------------------------------------------------------------- (a) throughput
@@ -462,142 +389,6 @@ def restart_restore(args: argparse.Namespace, model: str, label: str, work: Path
         flush=True,
     )
     return out
-
-
-# ---------------------------------------------------------------------------- report
-
-
-def plot(results: dict[str, Any], path: Path) -> Path:
-    """Restore (and save) time vs prompt length, against the sequential read/write of the same bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax = axes[0]
-    for model, rows in results["throughput"].items():
-        x = [r["tokens"] for r in rows]
-        ax.plot(x, [r["restore_s"] for r in rows], "o-", label=f"{model}: restore (kvc)")
-        ax.plot(x, [r["sequential_read_s"] for r in rows], "x--", label=f"{model}: sequential read")
-        ax.plot(x, [r["save_s"] for r in rows], "s:", alpha=0.6, label=f"{model}: save (kvc)")
-    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds (median of 3)")
-    ax.set_title("checkpoint restore vs sequential read (page cache dropped)")
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    rows = results["lookup"]
-    ax.plot([r["entries"] for r in rows], [r["median_ms"] for r in rows], "o-", label="median")
-    ax.plot([r["entries"] for r in rows], [r["p90_ms"] for r in rows], "x--", label="p90")
-    ax.plot(
-        [r["entries"] for r in rows],
-        [r["rescan_ms"] for r in rows],
-        "s:",
-        label="directory rescan (every 2 s)",
-    )
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="1 ms")
-    ax.set(xscale="log", yscale="log", xlabel="checkpoint files in the store", ylabel="ms per lookup")
-    ax.set_title("scheduler lookup cost")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def tables(results: dict[str, Any]) -> str:
-    parts: list[str] = []
-    rows = [
-        [
-            r["model"],
-            r["tokens"],
-            r["file_mib"],
-            r["save_s"],
-            r["sequential_write_s"],
-            r["save_over_write_time"],
-            r["restore_s"],
-            r["sequential_read_s"],
-            r["restore_over_read_time"],
-        ]
-        for model_rows in results["throughput"].values()
-        for r in model_rows
-    ]
-    if rows:
-        parts.append(
-            print_table(
-                "(a) kvc save/restore vs sequential write/read (page cache dropped, median of 3)",
-                [
-                    "model",
-                    "tokens",
-                    "MiB",
-                    "save s",
-                    "write s",
-                    "save/write",
-                    "restore s",
-                    "read s",
-                    "restore/read",
-                ],
-                rows,
-            )
-        )
-    if results["lookup"]:
-        parts.append(
-            print_table(
-                "(b) CheckpointStore.lookup",
-                [
-                    "files",
-                    "median ms",
-                    "p90 ms",
-                    "p99 ms",
-                    "p99 CPU ms",
-                    "first lookup after open ms",
-                    "with periodic rescan, dir unchanged ms",
-                    "with rescan after a change ms",
-                    "forced full rescan ms",
-                ],
-                [
-                    [
-                        r["entries"],
-                        r["median_ms"],
-                        r["p90_ms"],
-                        r.get("p99_ms"),
-                        r.get("p99_cpu_ms"),
-                        r["first_lookup_ms"],
-                        r.get("lookup_unchanged_rescan_ms"),
-                        r.get("lookup_after_change_ms"),
-                        r["rescan_ms"],
-                    ]
-                    for r in results["lookup"]
-                ],
-            )
-        )
-    c = results.get("restart")
-    if c:
-        parts.append(
-            print_table(
-                f"(c) restart restore, {c['model']}, {c['prompt_tokens']} tokens + {c['suffix_tokens']}",
-                [
-                    "cold TTFT s",
-                    "restored TTFT s",
-                    "speed-up",
-                    "read s",
-                    "suffix prefill s",
-                    "restored/(read+suffix)",
-                    f"goal (>= {MIN_RESTART_SPEEDUP:g}x, <= {MAX_OVER_BOUND:g}x) met",
-                ],
-                [
-                    [
-                        c["cold"]["ttft_s"],
-                        c["restored"]["ttft_s"],
-                        c["speedup_vs_cold"],
-                        c["sequential_read_s"],
-                        c["restored"]["suffix_prefill_s"],
-                        c["restored_over_read_plus_suffix"],
-                        "yes" if c.get("met") else "no",
-                    ]
-                ],
-            )
-        )
-    return "\n\n".join(parts)
 
 
 def _slice_config() -> Any:

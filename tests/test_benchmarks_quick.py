@@ -14,7 +14,8 @@ import json
 import pytest
 
 from benchmarks.agent_traffic import Conversations, TrafficConfig, plan_summary, plan_traffic
-from benchmarks.report import part_markdown, run_parts, run_report
+from benchmarks.report import run_parts, run_report
+from benchmarks.traffic_render import part_markdown
 
 #: The smallest plan with every feature: 2 conversations, a sub-agent, a one-off, a restart, a
 #: large tool result. 20 rules of system prompt (about 800 prompt tokens with the tools) keep

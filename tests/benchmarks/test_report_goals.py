@@ -7,7 +7,8 @@ could have held), and what "beats the single-session policy throughout" asks.
 from __future__ import annotations
 
 from benchmarks.agent_traffic import RequestRecord
-from benchmarks.report import checks, hit_rate_ceiling, new_tokens
+from benchmarks.traffic_stats import hit_rate_ceiling, new_tokens
+from benchmarks.traffic_verdicts import checks
 
 
 def record(index: int, conversation: str, kind: str, prompt: int, completion: int = 10, hit: int = 0):
