@@ -10,7 +10,10 @@ same directory) at fixed request counts.
 
 Invariants after every request: no 5xx; the server process is alive; usage hit + miss = prompt
 (`prompt_cache_hit_tokens + prompt_cache_miss_tokens == prompt_tokens`, also on streams that ask
-for usage); a repeated seeded or greedy request gives the same text.
+for usage); a repeated seeded or greedy request that finds the same prefix cached (memory or disk)
+gives the same text. A repeat that finds another prefix cached prefills other chunks, so its
+float32 sums differ in the last bits and a near tie of the random model may flip a token: those
+are counted and reported, not asserted (`test_seeded_sampling` shows restored = cold exactly).
 
 `heavy` (about 25 minutes for 2,000 requests and 3 restarts on the 2-core machine);
 `DS4_PROPERTY_REQUESTS=N` and `DS4_PROPERTY_RESTARTS=K` run a smaller mix, `DS4_PROPERTY_SEED`
@@ -77,7 +80,14 @@ TOOLS = [
 
 
 #: What the last run did, for the closing assertions and the printed summary.
-RUN = {"requests": 0, "restarts": 0, "usage_checked": 0, "repeats_compared": 0}
+RUN = {
+    "requests": 0,
+    "restarts": 0,
+    "usage_checked": 0,
+    "repeats_compared": 0,
+    "repeats_other_prefix": 0,
+    "repeats_other_prefix_differing": 0,
+}
 #: How many requests carried each feature.
 FEATURES: dict[str, int] = {}
 #: The 4xx answers by status, route and message (refusals the API documents, e.g. a forced
@@ -140,6 +150,13 @@ def completion_body(draw_common: dict, doc: tuple[int, str], logprobs: int | Non
     return body
 
 
+def describe(body: dict, stream: bool | None) -> str:
+    """A request in one line: its sampling fields, its prompt's size, whether it streamed."""
+    fields = {k: v for k, v in body.items() if k not in ("messages", "prompt", "tools", "model")}
+    text = body.get("prompt") or body["messages"][-1]["content"]
+    return f"{json.dumps(fields)} tools={'tools' in body} stream={stream} prompt {len(text)} chars"
+
+
 def repeatable(body: dict) -> bool:
     """Whether the same body must answer the same: seeded, or greedy."""
     return "seed" in body or body.get("temperature", 1.0) == 0.0
@@ -154,7 +171,8 @@ class LiveServer:
         self.server: ServerProcess | None = None
         self.requests = 0
         self.restarts = 0
-        self.answers: dict[str, list[str]] = {}
+        #: key -> (texts, restarts before the answer, prompt tokens it found cached)
+        self.answers: dict[str, tuple[list[str], int, int]] = {}
         self._start()
 
     def _start(self) -> None:
@@ -230,10 +248,21 @@ class LiveServer:
         RUN["usage_checked"] += 1
         if repeatable(body):
             key = json.dumps([path, body, stream], sort_keys=True)
-            if key in self.answers:
+            now = (texts, self.restarts, hit)
+            before = self.answers.setdefault(key, now)
+            if before is not now and before[2] != hit:
+                # Another cached prefix means other prefill chunks: float32 sums in another order,
+                # and a random model's near-tied logits may then pick another token. Counted.
+                RUN["repeats_other_prefix"] += 1
+                RUN["repeats_other_prefix_differing"] += before[0] != texts
+                return
+            if before is not now:
                 RUN["repeats_compared"] += 1
-            before = self.answers.setdefault(key, texts)
-            assert before == texts, f"{path} answered {texts!r}, before {before!r}: {json.dumps(body)[:300]}"
+            assert before[0] == texts, (
+                f"{path} {describe(body, stream)} answered {texts!r} (after {self.restarts} restarts, "
+                f"{hit} prompt tokens cached), before {before[0]!r} (after {before[1]} restarts, "
+                f"{before[2]} cached)"
+            )
 
     def _stream(self, url: str, payload: dict) -> tuple[list[str], dict | None, int, str]:
         texts: dict[int, str] = {}
@@ -268,7 +297,7 @@ def _choice_text(choice: dict) -> str:
 
 
 def test_random_requests_with_restarts_keep_every_invariant(tmp_path: Path) -> None:
-    RUN.update(requests=0, restarts=0, usage_checked=0, repeats_compared=0)
+    RUN.update({key: 0 for key in RUN})
     FEATURES.clear()
     REFUSED.clear()
     rng = random.Random(SEED)
