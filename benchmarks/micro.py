@@ -43,8 +43,14 @@ from typing import Any
 import numpy as np
 
 from benchmarks.file_reads import checkpoint_restore, sequential_read
-from benchmarks.micro_goals import MAX_OVER_BOUND, MIN_RESTART_SPEEDUP
 from benchmarks.micro_render import plot, tables
+from benchmarks.micro_results import (
+    EnginePhase,
+    LookupRow,
+    MicroResults,
+    RestartResult,
+    ThroughputRow,
+)
 from benchmarks.page_cache import drop_file_cache, page_cache_control
 from benchmarks.reporting import RESULTS_DIR, child_env, machine_info, module_command
 from ds4_vllm.kvc import (
@@ -101,7 +107,7 @@ def sequential_write(path: Path, nbytes: int, block: bytes) -> float:
 
 def checkpoint_throughput(
     model: str, dims: ModelDims, lengths: Sequence[int], work: Path, repeats: int = REPEATS
-) -> list[dict[str, Any]]:
+) -> list[ThroughputRow]:
     """(a) for one model: one row per length, medians of `repeats` save/restore/write/read runs."""
     rows = []
     block = secrets.token_bytes(CHUNK)
@@ -128,25 +134,24 @@ def checkpoint_throughput(
             restores.append(checkpoint_restore(path, dst))
             path.unlink()
             plain.unlink()
-        mib = size / 2**20
-        row = {
-            "model": model,
-            "tokens": n,
-            "file_mib": mib,
-            "save_s": statistics.median(saves),
-            "sequential_write_s": statistics.median(writes),
-            "restore_s": statistics.median(restores),
-            "sequential_read_s": statistics.median(reads),
-            "resident_after_drop": max(resident),
-            "all": {"save_s": saves, "write_s": writes, "restore_s": restores, "read_s": reads},
-        }
-        row["save_mib_s"] = mib / row["save_s"]
-        row["restore_mib_s"] = mib / row["restore_s"]
-        row["save_over_write_time"] = row["save_s"] / row["sequential_write_s"]
-        row["restore_over_read_time"] = row["restore_s"] / row["sequential_read_s"]
+        row = ThroughputRow(
+            model=model,
+            tokens=n,
+            file_mib=size / 2**20,
+            save_s=statistics.median(saves),
+            sequential_write_s=statistics.median(writes),
+            restore_s=statistics.median(restores),
+            sequential_read_s=statistics.median(reads),
+            resident_after_drop=max(resident),
+            all_save_s=saves,
+            all_write_s=writes,
+            all_restore_s=restores,
+            all_read_s=reads,
+        )
         print(
-            f"(a) {model} {n} tokens {mib:.1f} MiB: save {row['save_s']:.3f} s (write {row['sequential_write_s']:.3f}),"
-            f" restore {row['restore_s']:.3f} s (read {row['sequential_read_s']:.3f})",
+            f"(a) {model} {n} tokens {row.file_mib:.1f} MiB: save {row.save_s:.3f} s "
+            f"(write {row.sequential_write_s:.3f}), restore {row.restore_s:.3f} s "
+            f"(read {row.sequential_read_s:.3f})",
             flush=True,
         )
         rows.append(row)
@@ -183,7 +188,7 @@ def populate_store(directory: Path, count: int, prompt_tokens: int, seed: int) -
 
 def lookup_cost(
     counts: Sequence[int], work: Path, calls: int = 200, prompt_tokens: int = 4096
-) -> list[dict[str, Any]]:
+) -> list[LookupRow]:
     """(b): median seconds of `CheckpointStore.lookup` with `count` files in the directory."""
     from ds4_vllm.store.checkpoint_store import CheckpointStore
     from ds4_vllm.store.options import StoreOptions
@@ -230,27 +235,27 @@ def lookup_cost(
             t0 = time.perf_counter()
             store.entries()
             rescans.append(time.perf_counter() - t0)
-        row = {
-            "entries": count,
-            "median_ms": 1000 * statistics.median(times),
-            "p90_ms": 1000 * float(np.percentile(times, 90)),
-            "p99_ms": 1000 * float(np.percentile(times, 99)),
-            # CPU time of the calling thread: on a loaded machine the wall p99 is mostly preemption
-            "p99_cpu_ms": 1000 * float(np.percentile(cpu_times, 99)),
-            "first_lookup_ms": 1000 * first_s,
-            "lookup_unchanged_rescan_ms": 1000 * statistics.median(unchanged),
-            "lookup_after_change_ms": 1000 * statistics.median(changed),
-            "rescan_ms": 1000 * statistics.median(rescans),
-            "hit_tokens": outcome.agreed_tokens,
-            "prompt_tokens": prompt_tokens,
-            "calls": calls,
-            "populate_s": made_s,
-        }
+        row = LookupRow(
+            entries=count,
+            median_ms=1000 * statistics.median(times),
+            p90_ms=1000 * float(np.percentile(times, 90)),
+            p99_ms=1000 * float(np.percentile(times, 99)),
+            p99_cpu_ms=1000 * float(np.percentile(cpu_times, 99)),
+            first_lookup_ms=1000 * first_s,
+            lookup_unchanged_rescan_ms=1000 * statistics.median(unchanged),
+            lookup_after_change_ms=1000 * statistics.median(changed),
+            rescan_ms=1000 * statistics.median(rescans),
+            hit_tokens=outcome.agreed_tokens,
+            prompt_tokens=prompt_tokens,
+            calls=calls,
+            populate_s=made_s,
+        )
         print(
-            f"(b) {count} entries: lookup median {row['median_ms']:.3f} ms, p90 {row['p90_ms']:.3f} ms, "
-            f"p99 {row['p99_ms']:.3f} ms (CPU {row['p99_cpu_ms']:.3f} ms), first after open {row['first_lookup_ms']:.1f} ms; with the "
-            f"periodic rescan: unchanged dir {row['lookup_unchanged_rescan_ms']:.3f} ms, after a change "
-            f"{row['lookup_after_change_ms']:.2f} ms; forced full rescan {row['rescan_ms']:.1f} ms",
+            f"(b) {count} entries: lookup median {row.median_ms:.3f} ms, p90 {row.p90_ms:.3f} ms, "
+            f"p99 {row.p99_ms:.3f} ms (CPU {row.p99_cpu_ms:.3f} ms), first after open "
+            f"{row.first_lookup_ms:.1f} ms; with the periodic rescan: unchanged dir "
+            f"{row.lookup_unchanged_rescan_ms:.3f} ms, after a change {row.lookup_after_change_ms:.2f} ms; "
+            f"forced full rescan {row.rescan_ms:.1f} ms",
             flush=True,
         )
         rows.append(row)
@@ -309,7 +314,7 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _run_phase(args: argparse.Namespace, name: str, model: str, directory: Path, log: Path) -> dict[str, Any]:
+def _run_phase(args: argparse.Namespace, name: str, model: str, directory: Path, log: Path) -> EnginePhase:
     result = log.with_suffix(".json")
     cmd = [
         *module_command("benchmarks.micro"),
@@ -338,14 +343,11 @@ def _run_phase(args: argparse.Namespace, name: str, model: str, directory: Path,
             print("   ", line[line.find("kv cache") if "kv cache" in line else 0 :][:160], flush=True)
     if proc.returncode != 0:
         raise RuntimeError(f"phase {name} failed (rc {proc.returncode}); log {log}:\n{text[-3000:]}")
-    out = json.loads(result.read_text())
-    out["load_ms_logged"] = [
-        float(m) for m in re.findall(r"kv cache loaded tokens=\d+ .* load=([\d.]+) ms", text)
-    ]
-    return out
+    loads = [float(m) for m in re.findall(r"kv cache loaded tokens=\d+ .* load=([\d.]+) ms", text)]
+    return EnginePhase(**json.loads(result.read_text()), load_ms_logged=loads)
 
 
-def restart_restore(args: argparse.Namespace, model: str, label: str, work: Path) -> dict[str, Any]:
+def restart_restore(args: argparse.Namespace, model: str, label: str, work: Path) -> RestartResult:
     """(c): cold prefill in engine A, restore after a restart in engine B, both through ds4disk."""
     directory = work / "restart-kv"
     directory.mkdir(parents=True, exist_ok=True)
@@ -363,29 +365,22 @@ def restart_restore(args: argparse.Namespace, model: str, label: str, work: Path
     for _ in range(REPEATS):
         drop_file_cache(biggest)
         reads.append(sequential_read(biggest, buf))
-    read_s = statistics.median(reads)
-    bound = read_s + restored["suffix_prefill_s"]
-    out = {
-        "model": label,
-        "prompt_tokens": args.restart_length,
-        "suffix_tokens": SUFFIX_TOKENS,
-        "cold": cold,
-        "restored": restored,
-        "files": [{"file": p.name, "bytes": p.stat().st_size} for p in files],
-        "restored_file_payload_header": payload_dims,
-        "resident_before_restore": resident,
-        "sequential_read_s": read_s,
-        "speedup_vs_cold": cold["ttft_s"] / restored["ttft_s"],
-        "restored_over_read_plus_suffix": restored["ttft_s"] / bound,
-    }
-    out["met"] = (
-        out["speedup_vs_cold"] >= MIN_RESTART_SPEEDUP
-        and out["restored_over_read_plus_suffix"] <= MAX_OVER_BOUND
+    out = RestartResult(
+        model=label,
+        prompt_tokens=args.restart_length,
+        suffix_tokens=SUFFIX_TOKENS,
+        cold=cold,
+        restored=restored,
+        files=[{"file": p.name, "bytes": p.stat().st_size} for p in files],
+        restored_file_payload_header=payload_dims,
+        resident_before_restore=resident,
+        sequential_read_s=statistics.median(reads),
     )
     print(
-        f"(c) {label} {args.restart_length}: cold {cold['ttft_s']:.2f} s, restored {restored['ttft_s']:.3f} s "
-        f"({out['speedup_vs_cold']:.1f}x), read {read_s:.4f} s + suffix {restored['suffix_prefill_s']:.3f} s "
-        f"-> restored / (read + suffix) = {out['restored_over_read_plus_suffix']:.2f}",
+        f"(c) {label} {args.restart_length}: cold {cold.ttft_s:.2f} s, restored {restored.ttft_s:.3f} s "
+        f"({out.speedup_vs_cold:.1f}x), read {out.sequential_read_s:.4f} s + suffix "
+        f"{restored.suffix_prefill_s:.3f} s -> restored / (read + suffix) = "
+        f"{out.restored_over_read_plus_suffix:.2f}",
         flush=True,
     )
     return out
@@ -416,7 +411,7 @@ def run(
     quick: (a) at 2k and 8k, (c) on the default model at 2k; full: (a) at 2k-128k, (c) on the
     slice model at 32k. `restart_model` ("ds4", "slice", "slice:N" for N routed experts, or a model
     path) and `restart_length` override (c).
-    Returns the results (also the JSON's content).
+    Returns the JSON's content (`MicroResults.to_json`, with the part's `table_markdown` and `plots`).
     """
     from ds4_vllm.model.default_model import default_config
 
@@ -431,26 +426,19 @@ def run(
         phase_timeout=600 if quick else 4 * 3600,
     )
     started = time.perf_counter()
-    results: dict[str, Any] = {
-        "benchmark": "micro",
-        "quick": quick,
-        "machine": machine_info(),
-        "page_cache": page_cache_control(),
-        "throughput": {},
-        "lookup": [],
-    }
+    results = MicroResults(quick=quick, machine=machine_info(), page_cache=page_cache_control())
     lengths = QUICK_LENGTHS if quick else FULL_LENGTHS
     with tempfile.TemporaryDirectory(prefix="ds4-micro-", dir=os.environ.get("DS4_BENCH_TMP")) as tmp:
         work = Path(tmp)
         if "throughput" in parts:
             progress("(a) checkpoint save/restore throughput")
-            results["throughput"] = {
+            results.throughput = {
                 "ds4": checkpoint_throughput("ds4", dims_of(default_config()), lengths, work),
                 "slice": checkpoint_throughput("slice", dims_of(_slice_config()), lengths, work),
             }
         if "lookup" in parts:
             progress("(b) lookup cost")
-            results["lookup"] = lookup_cost(lookup_counts, work, calls=50 if quick else 200)
+            results.lookup = lookup_cost(lookup_counts, work, calls=50 if quick else 200)
         if "restart" in parts:
             if restart_model.startswith("slice"):  # "slice", or "slice:16" for 16 routed experts
                 from benchmarks.slice_model import slice_for
@@ -460,16 +448,17 @@ def run(
             else:
                 model, label = restart_model, restart_model
             progress(f"(c) restart restore ({label}, {args.restart_length} tokens)")
-            results["restart"] = restart_restore(args, model, label, work)
-    results["load_average_end"] = os.getloadavg()
-    results["wall_s"] = time.perf_counter() - started
-    results["table_markdown"] = tables(results)
-    if results["throughput"] and results["lookup"]:
+            results.restart = restart_restore(args, model, label, work)
+    results.load_average_end = os.getloadavg()
+    results.wall_s = time.perf_counter() - started
+    out = results.to_json()
+    out["table_markdown"] = tables(results)
+    if results.throughput and results.lookup:
         plot(results, results_dir / f"{name}.png")
-        results["plots"] = [f"{name}.png"]
-    (results_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        out["plots"] = [f"{name}.png"]
+    (results_dir / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
     progress(f"wrote {results_dir / name}.json")
-    return results
+    return out
 
 
 def main() -> None:

@@ -1,15 +1,14 @@
-"""The microbenchmarks' plot and Markdown tables, from the results `micro.run` returns."""
+"""The microbenchmarks' plot and Markdown tables, from what `micro.run` measured."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from benchmarks.micro_goals import MAX_OVER_BOUND, MIN_RESTART_SPEEDUP
+from benchmarks.micro_results import MAX_OVER_BOUND, MIN_RESTART_SPEEDUP, MicroResults
 from benchmarks.reporting import print_table
 
 
-def plot(results: dict[str, Any], path: Path) -> Path:
+def plot(results: MicroResults, path: Path) -> Path:
     """Restore (and save) time vs prompt length, against the sequential read/write of the same bytes."""
     import matplotlib
 
@@ -18,21 +17,21 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     ax = axes[0]
-    for model, rows in results["throughput"].items():
-        x = [r["tokens"] for r in rows]
-        ax.plot(x, [r["restore_s"] for r in rows], "o-", label=f"{model}: restore (kvc)")
-        ax.plot(x, [r["sequential_read_s"] for r in rows], "x--", label=f"{model}: sequential read")
-        ax.plot(x, [r["save_s"] for r in rows], "s:", alpha=0.6, label=f"{model}: save (kvc)")
+    for model, rows in results.throughput.items():
+        x = [r.tokens for r in rows]
+        ax.plot(x, [r.restore_s for r in rows], "o-", label=f"{model}: restore (kvc)")
+        ax.plot(x, [r.sequential_read_s for r in rows], "x--", label=f"{model}: sequential read")
+        ax.plot(x, [r.save_s for r in rows], "s:", alpha=0.6, label=f"{model}: save (kvc)")
     ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds (median of 3)")
     ax.set_title("checkpoint restore vs sequential read (page cache dropped)")
     ax.legend(fontsize=7)
     ax = axes[1]
-    rows = results["lookup"]
-    ax.plot([r["entries"] for r in rows], [r["median_ms"] for r in rows], "o-", label="median")
-    ax.plot([r["entries"] for r in rows], [r["p90_ms"] for r in rows], "x--", label="p90")
+    rows = results.lookup
+    ax.plot([r.entries for r in rows], [r.median_ms for r in rows], "o-", label="median")
+    ax.plot([r.entries for r in rows], [r.p90_ms for r in rows], "x--", label="p90")
     ax.plot(
-        [r["entries"] for r in rows],
-        [r["rescan_ms"] for r in rows],
+        [r.entries for r in rows],
+        [r.rescan_ms for r in rows],
         "s:",
         label="directory rescan (every 2 s)",
     )
@@ -46,21 +45,21 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def tables(results: dict[str, Any]) -> str:
+def tables(results: MicroResults) -> str:
     parts: list[str] = []
     rows = [
         [
-            r["model"],
-            r["tokens"],
-            r["file_mib"],
-            r["save_s"],
-            r["sequential_write_s"],
-            r["save_over_write_time"],
-            r["restore_s"],
-            r["sequential_read_s"],
-            r["restore_over_read_time"],
+            r.model,
+            r.tokens,
+            r.file_mib,
+            r.save_s,
+            r.sequential_write_s,
+            r.save_over_write_time,
+            r.restore_s,
+            r.sequential_read_s,
+            r.restore_over_read_time,
         ]
-        for model_rows in results["throughput"].values()
+        for model_rows in results.throughput.values()
         for r in model_rows
     ]
     if rows:
@@ -81,7 +80,7 @@ def tables(results: dict[str, Any]) -> str:
                 rows,
             )
         )
-    if results["lookup"]:
+    if results.lookup:
         parts.append(
             print_table(
                 "(b) CheckpointStore.lookup",
@@ -98,25 +97,25 @@ def tables(results: dict[str, Any]) -> str:
                 ],
                 [
                     [
-                        r["entries"],
-                        r["median_ms"],
-                        r["p90_ms"],
-                        r.get("p99_ms"),
-                        r.get("p99_cpu_ms"),
-                        r["first_lookup_ms"],
-                        r.get("lookup_unchanged_rescan_ms"),
-                        r.get("lookup_after_change_ms"),
-                        r["rescan_ms"],
+                        r.entries,
+                        r.median_ms,
+                        r.p90_ms,
+                        r.p99_ms,
+                        r.p99_cpu_ms,
+                        r.first_lookup_ms,
+                        r.lookup_unchanged_rescan_ms,
+                        r.lookup_after_change_ms,
+                        r.rescan_ms,
                     ]
-                    for r in results["lookup"]
+                    for r in results.lookup
                 ],
             )
         )
-    c = results.get("restart")
+    c = results.restart
     if c:
         parts.append(
             print_table(
-                f"(c) restart restore, {c['model']}, {c['prompt_tokens']} tokens + {c['suffix_tokens']}",
+                f"(c) restart restore, {c.model}, {c.prompt_tokens} tokens + {c.suffix_tokens}",
                 [
                     "cold TTFT s",
                     "restored TTFT s",
@@ -128,13 +127,13 @@ def tables(results: dict[str, Any]) -> str:
                 ],
                 [
                     [
-                        c["cold"]["ttft_s"],
-                        c["restored"]["ttft_s"],
-                        c["speedup_vs_cold"],
-                        c["sequential_read_s"],
-                        c["restored"]["suffix_prefill_s"],
-                        c["restored_over_read_plus_suffix"],
-                        "yes" if c.get("met") else "no",
+                        c.cold.ttft_s,
+                        c.restored.ttft_s,
+                        c.speedup_vs_cold,
+                        c.sequential_read_s,
+                        c.restored.suffix_prefill_s,
+                        c.restored_over_read_plus_suffix,
+                        "yes" if c.met else "no",
                     ]
                 ],
             )

@@ -34,8 +34,9 @@ from benchmarks.agent_traffic import (
     plan_summary,
     plan_traffic,
 )
+from benchmarks.report_data import AgentTrafficResult, Report
 from benchmarks.traffic_render import markdown, plot
-from benchmarks.traffic_runner import SYSTEMS, run_system
+from benchmarks.traffic_runner import SYSTEMS, SystemRun, run_system
 from benchmarks.traffic_stats import summarize
 from benchmarks.traffic_verdicts import checks
 
@@ -81,7 +82,7 @@ def run_report(
     parts: bool,
     work: Path | None = None,
     part_options: dict[str, dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+) -> Report:
     """Run the traffic against `systems` (and the optional parts); write the JSON, Markdown, PNGs."""
     import tempfile
 
@@ -92,7 +93,7 @@ def run_report(
     results_dir.mkdir(parents=True, exist_ok=True)
     plan = plan_traffic(config)
     load_start = os.getloadavg()[0]
-    raw: dict[str, dict[str, Any]] = {}
+    raw: dict[str, SystemRun] = {}
     with tempfile.TemporaryDirectory(prefix="ds4-bench-") as tmp:
         work = work or Path(tmp)
         with tqdm(total=len(plan) * len(systems), desc="agent traffic", unit="req") as progress:
@@ -100,26 +101,25 @@ def run_report(
                 progress.set_postfix_str(name)
                 raw[name] = run_system(SYSTEMS[name], config, work, progress)
     summaries = {name: summarize(r, config) for name, r in raw.items()}
-    report: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "mode": mode,
-        "machine": machine_info(),
-        "load_average_start": round(load_start, 2),
-        "agent_traffic": {
-            "config": dataclasses.asdict(config),
-            "plan": plan_summary(plan),
-            "systems": summaries,
-            "checks": checks(summaries),
-            "plots": plot(raw, config, results_dir),
-            "requests": {name: r.get("records", []) for name, r in raw.items()},
-        },
-        "parts": run_parts(results_dir, quick=mode != "full", options=part_options) if parts else {},
-    }
-    report["load_average_end"] = round(os.getloadavg()[0], 2)
-    for r in report["agent_traffic"]["requests"].values():
-        for rec in r:
-            rec.pop("reply", None)  # random text of a random model: noise in the file
-    (results_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    traffic = AgentTrafficResult(
+        config=config,
+        plan=plan_summary(plan),
+        systems=summaries,
+        checks=checks(summaries),
+        plots=plot(raw, config, results_dir),
+        requests={name: r.records for name, r in raw.items()},
+    )
+    parts_run = run_parts(results_dir, quick=mode != "full", options=part_options) if parts else {}
+    report = Report(
+        date=datetime.date.today().isoformat(),
+        mode=mode,
+        machine=machine_info(),
+        load_average_start=round(load_start, 2),
+        load_average_end=round(os.getloadavg()[0], 2),
+        agent_traffic=traffic,
+        parts=parts_run,
+    )
+    (results_dir / "report.json").write_text(json.dumps(report.to_json(), indent=1) + "\n")
     (results_dir / "report.md").write_text(markdown(report))
     return report
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print((out / "report.md").read_text())
     print(f"wrote {out}/report.json, report.md and plots")
-    return 0 if report else 1
+    return 0 if report.agent_traffic.requests else 1
 
 
 if __name__ == "__main__":

@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agent_traffic import (
-    RequestRecord,
-    TrafficConfig,
-    plan_traffic,
-)
-from benchmarks.traffic_stats import missed
-from benchmarks.traffic_verdicts import MIN_HIT_RATE
+from benchmarks.agent_traffic import TrafficConfig, plan_traffic
+from benchmarks.report_data import Report
+from benchmarks.traffic_runner import SystemRun
+from benchmarks.traffic_stats import SystemSummary, missed
+from benchmarks.traffic_verdicts import MIN_HIT_RATE, Verdict
 
 
-def plot(raw: dict[str, dict[str, Any]], config: TrafficConfig, out: Path) -> list[str]:
+def plot(runs: dict[str, SystemRun], config: TrafficConfig, out: Path) -> list[str]:
     """TTFT by request and cumulative hit rate for every system that ran; the restart marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ran = {k: [RequestRecord(**r) for r in v["records"]] for k, v in raw.items() if "records" in v}
+    ran = {name: run.records for name, run in runs.items() if run.records}
     if not ran:
         return []
     restart_at = next((r.index for r in plan_traffic(config) if r.phase == 1), None)
@@ -79,53 +78,51 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def markdown(report: dict[str, Any]) -> str:
-    summaries = report["agent_traffic"]["systems"]
-    ran = {k: v for k, v in summaries.items() if "requests" in v}
-    rows = [
-        ("TTFT median / p90 (s)", lambda s: f"{_cell(s['ttft']['median_s'])} / {_cell(s['ttft']['p90_s'])}"),
-        (
-            "TTFT median after restart (s)",
-            lambda s: _cell(s["ttft_phase"]["1"]["median_s"]),
-        ),
-        ("TTFT, first turn after restart (s)", lambda s: _cell(s["ttft_first_after_restart"]["median_s"])),
-        ("prompt tokens computed / reused", lambda s: f"{s['computed_tokens']} / {s['reused_tokens']}"),
-        ("  of them from disk", lambda s: str(s["disk_tokens"])),
+def _figures(verdict: Verdict) -> str:
+    return ", ".join(f"{name}={_cell(value)}" for name, value in verdict.measured.items())
+
+
+def markdown(report: Report) -> str:
+    traffic = report.agent_traffic
+    ran = {k: s for k, s in traffic.systems.items() if isinstance(s, SystemSummary)}
+    rows: list[tuple[str, Callable[[SystemSummary], str]]] = [
+        ("TTFT median / p90 (s)", lambda s: f"{_cell(s.ttft.median_s)} / {_cell(s.ttft.p90_s)}"),
+        ("TTFT median after restart (s)", lambda s: _cell(s.ttft_after_restart.median_s)),
+        ("TTFT, first turn after restart (s)", lambda s: _cell(s.ttft_first_after_restart.median_s)),
+        ("prompt tokens computed / reused", lambda s: f"{s.computed_tokens} / {s.reused_tokens}"),
+        ("  of them from disk", lambda s: str(s.disk_tokens)),
         (
             "hit rate (all / after warm-up)",
-            lambda s: f"{_cell(s['hit_rate'])} / {_cell(s['hit_rate_after_warm_up'])}",
+            lambda s: f"{_cell(s.hit_rate)} / {_cell(s.hit_rate_after_warm_up)}",
         ),
-        ("  the plan's ceiling after warm-up", lambda s: _cell(s["hit_rate_ceiling_after_warm_up"])),
-        ("hit rate, first turn after restart", lambda s: _cell(s["hit_rate_first_after_restart"])),
+        ("  the plan's ceiling after warm-up", lambda s: _cell(s.hit_rate_ceiling_after_warm_up)),
+        ("hit rate, first turn after restart", lambda s: _cell(s.hit_rate_first_after_restart)),
         (
             "disk bytes written / read",
-            lambda s: f"{_cell(s['disk_bytes_written'])} / {_cell(s['disk_bytes_read'])}",
+            lambda s: f"{_cell(s.disk_bytes_written)} / {_cell(s.disk_bytes_read)}",
         ),
         (
             "bytes written / read per reused token",
-            lambda s: (
-                f"{_cell(s['bytes_written_per_reused_token'])} / {_cell(s['bytes_read_per_reused_token'])}"
-            ),
+            lambda s: f"{_cell(s.bytes_written_per_reused_token)} / {_cell(s.bytes_read_per_reused_token)}",
         ),
         (
             "files written / removed (budget evictions)",
-            lambda s: f"{s['files_seen']} / {s['files_removed']} ({_cell(s['files_evicted_budget'])})",
+            lambda s: f"{s.disk.files_seen} / {s.disk.files_removed} ({_cell(s.files_evicted_budget)})",
         ),
-        ("peak disk use", lambda s: _cell(float(s["peak_disk_bytes"]))),
-        ("decode tokens/s (median)", lambda s: _cell(s["decode_tokens_per_s_median"])),
+        ("peak disk use", lambda s: _cell(float(s.disk.peak_disk_bytes))),
+        ("decode tokens/s (median)", lambda s: _cell(s.decode_tokens_per_s_median)),
     ]
-    traffic = report["agent_traffic"]
+    versions = report.machine.get("versions", {})
     lines = [
-        f"# Benchmark report {report['date']} ({report['mode']})",
+        f"# Benchmark report {report.date} ({report.mode})",
         "",
-        f"Machine: {report['machine'].get('cpu_count')} CPUs, load average "
-        f"{report['load_average_start']} at start, {report['load_average_end']} at end; "
-        f"vllm {report['machine'].get('versions', {}).get('vllm')}, torch "
-        f"{report['machine'].get('versions', {}).get('torch')}.",
+        f"Machine: {report.machine.get('cpu_count')} CPUs, load average "
+        f"{report.load_average_start} at start, {report.load_average_end} at end; "
+        f"vllm {versions.get('vllm')}, torch {versions.get('torch')}.",
         "",
         "## Agent traffic",
         "",
-        f"Plan (seed {traffic['config']['seed']}): {json.dumps(traffic['plan'])}.",
+        f"Plan (seed {traffic.config.seed}): {json.dumps(traffic.plan)}.",
         "Warm-up = each main conversation's first request. Ratios are within this one run.",
         "",
         "| figure | " + " | ".join(ran) + " |",
@@ -133,22 +130,16 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     lines += [f"| {label} | " + " | ".join(fn(s) for s in ran.values()) + " |" for label, fn in rows]
     lines.append("")
-    for name, s in summaries.items():
-        if "error" in s:
-            what = "stopped early (partial figures above)" if "requests" in s else "did not run"
-            lines.append(f"**{name}** {what}: {s['error']['message']}")
-            lines += [f"    {ln}" for ln in s["error"]["error_lines"]]
+    for name, summary in traffic.systems.items():
+        if summary.error is not None:
+            what = "stopped early (partial figures above)" if name in ran else "did not run"
+            lines.append(f"**{name}** {what}: {summary.error.message}")
+            lines += [f"    {ln}" for ln in summary.error.error_lines]
             lines.append("")
     lines += ["### Goals", "", "| goal | measured | met |", "|---|---|---|"]
-    for goal, figures in traffic["checks"].items():
-        measured = {k: v for k, v in figures.items() if k != "met"}
-        shown = ", ".join(
-            f"{k}={_cell(v) if not isinstance(v, dict) else {kk: _cell(vv) for kk, vv in v.items()}}"
-            for k, v in measured.items()
-        )
-        lines.append(f"| {goal} | {shown} | {_cell(figures['met'])} |")
-    lines += ["", *[f"![{p}]({p})" for p in traffic["plots"]], ""]
-    for name, part in report["parts"].items():
+    lines += [f"| {v.goal} | {_figures(v)} | {_cell(v.met)} |" for v in traffic.checks.values()]
+    lines += ["", *[f"![{p}]({p})" for p in traffic.plots], ""]
+    for name, part in report.parts.items():
         lines += part_markdown(name, part)
     return "\n".join(lines)
 

@@ -77,6 +77,46 @@ SYSTEMS: dict[str, SystemSpec] = {
 }
 
 
+# ---------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskFigures:
+    """What the checkpoint directory held over one system's run (sampled every 0.2 s)."""
+
+    peak_disk_bytes: int = 0
+    files_seen: int = 0
+    files_at_end: int = 0
+    files_removed: int = 0
+    bytes_of_files_seen: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StartFailure:
+    """Why a server of the run did not start: the message, its log and the log's error lines."""
+
+    message: str
+    log: str
+    error_lines: list[str]
+
+
+@dataclasses.dataclass
+class SystemRun:
+    """One system's raw results: every request's record, the servers' summed counters, the disk.
+
+    `error` is set when a server did not start; the records are then those that ran before it.
+    """
+
+    system: str
+    description: str
+    args: list[str]
+    records: list[RequestRecord] = dataclasses.field(default_factory=list)
+    counters: dict[str, float] = dataclasses.field(default_factory=dict)
+    disk: DiskFigures = dataclasses.field(default_factory=DiskFigures)
+    server_start_s: list[float] = dataclasses.field(default_factory=list)
+    error: StartFailure | None = None
+
+
 # ---------------------------------------------------------------------------- measuring helpers
 
 
@@ -124,14 +164,14 @@ class DiskSampler:
         self._thread.join()
         self.sample()
 
-    def figures(self) -> dict[str, int]:
-        return {
-            "peak_disk_bytes": self.peak_bytes,
-            "files_seen": len(self.seen),
-            "files_at_end": len(self.current),
-            "files_removed": len(set(self.seen) - self.current),
-            "bytes_of_files_seen": sum(self.seen.values()),
-        }
+    def figures(self) -> DiskFigures:
+        return DiskFigures(
+            peak_disk_bytes=self.peak_bytes,
+            files_seen=len(self.seen),
+            files_at_end=len(self.current),
+            files_removed=len(set(self.seen) - self.current),
+            bytes_of_files_seen=sum(self.seen.values()),
+        )
 
 
 def scrape_counters(base_url: str) -> dict[str, float]:
@@ -175,7 +215,7 @@ def error_lines(log: Path, limit: int = 6) -> list[str]:
 # ---------------------------------------------------------------------------- one system
 
 
-def run_system(spec: SystemSpec, config: TrafficConfig, work: Path, progress: Any = None) -> dict[str, Any]:
+def run_system(spec: SystemSpec, config: TrafficConfig, work: Path, progress: Any = None) -> SystemRun:
     """Run the whole plan against `spec`: server A, restart, server B. Raw records and counters."""
     from tests.e2e.server_process import ServerProcess
 
@@ -208,18 +248,17 @@ def run_system(spec: SystemSpec, config: TrafficConfig, work: Path, progress: An
         return start("B")
 
     plan = plan_traffic(config)
-    result: dict[str, Any] = {"system": spec.name, "description": spec.description, "args": args}
+    result = SystemRun(spec.name, spec.description, args, server_start_s=starts)
     try:
         base_url = start("A")
     except ServerStartError as exc:
-        result["error"] = exc.summary()
+        result.error = exc.summary()
         if progress is not None:
             progress.update(len(plan))
         return result
-    records: list[RequestRecord] = []
 
     def after_request(record: RequestRecord) -> None:
-        records.append(record)
+        result.records.append(record)
         sampler.sample()
 
     with DiskSampler(disk) as sampler:
@@ -230,18 +269,14 @@ def run_system(spec: SystemSpec, config: TrafficConfig, work: Path, progress: An
             stop_current()
         except ServerStartError as exc:
             # keep what ran before the failed restart; the summary says the run is partial
-            result["error"] = exc.summary()
+            result.error = exc.summary()
             if progress is not None:
-                progress.update(len(plan) - len(records))
+                progress.update(len(plan) - len(result.records))
         finally:
             for server in servers:
                 server.stop()
-    result.update(
-        records=[dataclasses.asdict(r) for r in records],
-        counters=_sum_counters(counters),
-        disk=sampler.figures(),
-        server_start_s=starts,
-    )
+    result.counters = _sum_counters(counters)
+    result.disk = sampler.figures()
     return result
 
 
@@ -250,8 +285,8 @@ class ServerStartError(RuntimeError):
         super().__init__(f"{system}: vllm serve did not start ({log})")
         self.log, self.cause = log, cause
 
-    def summary(self) -> dict[str, Any]:
-        return {"message": str(self), "log": str(self.log), "error_lines": error_lines(self.log)}
+    def summary(self) -> StartFailure:
+        return StartFailure(str(self), str(self.log), error_lines(self.log))
 
 
 def _sum_counters(per_server: list[dict[str, float]]) -> dict[str, float]:

@@ -1,15 +1,16 @@
-"""The figures of one system's run: hit rates, new tokens, time to first token, the requests
-after a restart (`summarize`)."""
+"""The figures of one system's run (`summarize` → `SystemSummary`): hit rates, new tokens, time
+to first token, the requests after a restart."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 from benchmarks.agent_traffic import (
     RequestRecord,
     TrafficConfig,
     plan_traffic,
 )
+from benchmarks.traffic_runner import DiskFigures, StartFailure, SystemRun
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -78,59 +79,118 @@ def hit_rate_ceiling(records: list[RequestRecord], warm: set[int]) -> float | No
     return 1 - new_tokens(records, warm) / total if total else None
 
 
-def _ttft(records: list[RequestRecord]) -> dict[str, float | None]:
-    values = [r.ttft_s for r in records]
-    return {"median_s": _quantile(values, 0.5), "p90_s": _quantile(values, 0.9), "total_s": sum(values)}
+@dataclasses.dataclass(frozen=True)
+class Ttft:
+    """Time to first token over a set of requests (None where the set is empty)."""
+
+    median_s: float | None
+    p90_s: float | None
+    total_s: float
+
+    @classmethod
+    def of(cls, records: list[RequestRecord]) -> Ttft:
+        values = [r.ttft_s for r in records]
+        return cls(_quantile(values, 0.5), _quantile(values, 0.9), sum(values))
 
 
-def summarize(raw: dict[str, Any], config: TrafficConfig) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class UsageFieldsPresent:
+    """Whether every response carried each usage field, and hit + miss added up to the prompt."""
+
+    cached_tokens: bool
+    prompt_cache_hit_tokens: bool
+    prompt_cache_miss_tokens: bool
+    hit_plus_miss_is_prompt: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemSummary:
+    """One system's figures. `error` is set when a server failed to start part-way: the figures
+    are then those of the requests before it."""
+
+    requests: int
+    ttft: Ttft
+    ttft_after_warm_up: Ttft
+    ttft_before_restart: Ttft
+    ttft_after_restart: Ttft
+    ttft_first_after_restart: Ttft
+    prompt_tokens: int
+    computed_tokens: int
+    reused_tokens: int
+    disk_tokens: int
+    hit_rate: float | None
+    hit_rate_after_warm_up: float | None
+    hit_rate_ceiling_after_warm_up: float | None
+    hit_rate_before_restart: float | None
+    hit_rate_after_restart: float | None
+    hit_rate_first_after_restart: float | None
+    disk_bytes_written: float
+    disk_bytes_read: float
+    bytes_written_per_reused_token: float | None
+    bytes_read_per_reused_token: float | None
+    files_evicted_budget: float
+    disk: DiskFigures
+    decode_tokens_per_s_median: float | None
+    usage_fields_present: UsageFieldsPresent
+    server_start_s: list[float]
+    counters: dict[str, float]
+    error: StartFailure | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class NotRun:
+    """A system whose first server did not start: no figures, only why."""
+
+    error: StartFailure
+
+
+def summarize(run: SystemRun, config: TrafficConfig) -> SystemSummary | NotRun:
     """Per-system figures from its raw records, counters and disk samples."""
-    if "records" not in raw or not raw["records"]:
-        return {"error": raw["error"]}
-    records = [RequestRecord(**r) for r in raw["records"]]
+    records = run.records
+    if not records:
+        return NotRun(run.error or StartFailure("no request ran", "", []))
     warm = warm_up_indices(config)
     after_warm = [r for r in records if r.index not in warm]
+    before, after = ([r for r in records if r.phase == ph] for ph in (0, 1))
     restart_firsts = first_after_restart(records)
     reused = sum(r.reused_tokens for r in records)
-    counters = raw.get("counters", {})
+    counters = run.counters
     decode = [r.decode_tokens_per_s for r in records if r.decode_tokens_per_s]
-    usage_fields = {
-        "cached_tokens": all(r.cached_tokens is not None for r in records),
-        "prompt_cache_hit_tokens": all(r.hit_tokens is not None for r in records),
-        "prompt_cache_miss_tokens": all(r.miss_tokens is not None for r in records),
-        "hit_plus_miss_is_prompt": all(
-            r.hit_tokens is not None and r.hit_tokens + missed(r) == r.prompt_tokens for r in records
-        ),
-    }
     bytes_written = counters.get("bytes_written_total", 0.0)
     bytes_read = counters.get("bytes_read_total", 0.0)
-    partial = (
-        {"error": raw["error"], "partial": "only the requests before the error ran"} if "error" in raw else {}
+    return SystemSummary(
+        requests=len(records),
+        ttft=Ttft.of(records),
+        ttft_after_warm_up=Ttft.of(after_warm),
+        ttft_before_restart=Ttft.of(before),
+        ttft_after_restart=Ttft.of(after),
+        ttft_first_after_restart=Ttft.of(restart_firsts),
+        prompt_tokens=sum(r.prompt_tokens for r in records),
+        computed_tokens=sum(missed(r) for r in records),
+        reused_tokens=reused,
+        disk_tokens=sum(r.disk_tokens or 0 for r in records),
+        hit_rate=_hit_rate(records),
+        hit_rate_after_warm_up=_hit_rate(after_warm),
+        hit_rate_ceiling_after_warm_up=hit_rate_ceiling(records, warm),
+        hit_rate_before_restart=_hit_rate(before),
+        hit_rate_after_restart=_hit_rate(after),
+        hit_rate_first_after_restart=_hit_rate(restart_firsts),
+        disk_bytes_written=bytes_written,
+        disk_bytes_read=bytes_read,
+        bytes_written_per_reused_token=bytes_written / reused if reused else None,
+        bytes_read_per_reused_token=bytes_read / reused if reused else None,
+        files_evicted_budget=counters.get("files_evicted_total", 0.0),
+        disk=run.disk,
+        decode_tokens_per_s_median=_quantile(decode, 0.5),
+        usage_fields_present=UsageFieldsPresent(
+            cached_tokens=all(r.cached_tokens is not None for r in records),
+            prompt_cache_hit_tokens=all(r.hit_tokens is not None for r in records),
+            prompt_cache_miss_tokens=all(r.miss_tokens is not None for r in records),
+            hit_plus_miss_is_prompt=all(
+                r.hit_tokens is not None and r.hit_tokens + missed(r) == r.prompt_tokens for r in records
+            ),
+        ),
+        server_start_s=run.server_start_s,
+        counters=counters,
+        error=run.error,
     )
-    return {
-        **partial,
-        "requests": len(records),
-        "ttft": _ttft(records),
-        "ttft_after_warm_up": _ttft(after_warm),
-        "ttft_phase": {str(ph): _ttft([r for r in records if r.phase == ph]) for ph in (0, 1)},
-        "ttft_first_after_restart": _ttft(restart_firsts),
-        "prompt_tokens": sum(r.prompt_tokens for r in records),
-        "computed_tokens": sum(missed(r) for r in records),
-        "reused_tokens": reused,
-        "disk_tokens": sum(r.disk_tokens or 0 for r in records),
-        "hit_rate": _hit_rate(records),
-        "hit_rate_after_warm_up": _hit_rate(after_warm),
-        "hit_rate_ceiling_after_warm_up": hit_rate_ceiling(records, warm),
-        "hit_rate_phase": {str(ph): _hit_rate([r for r in records if r.phase == ph]) for ph in (0, 1)},
-        "hit_rate_first_after_restart": _hit_rate(restart_firsts),
-        "disk_bytes_written": bytes_written,
-        "disk_bytes_read": bytes_read,
-        "bytes_written_per_reused_token": bytes_written / reused if reused else None,
-        "bytes_read_per_reused_token": bytes_read / reused if reused else None,
-        "files_evicted_budget": counters.get("files_evicted_total", 0.0),
-        **raw.get("disk", {}),
-        "decode_tokens_per_s_median": _quantile(decode, 0.5),
-        "usage_fields_present": usage_fields,
-        "server_start_s": raw.get("server_start_s"),
-        "counters": counters,
-    }

@@ -8,13 +8,15 @@ what it says (shapes, quant types, shared expert bytes, determinism, lookups tha
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import gguf
 import pytest
 from gguf import GGMLQuantizationType as GgmlType
 
-from benchmarks import micro, slice_model
+from benchmarks import micro, micro_render, slice_model
+from benchmarks.micro_results import EnginePhase, MicroResults, RestartResult
 from ds4_vllm.kvc import ModelDims, checkpoint_file_size, payload_size
 from ds4_vllm.model.gguf_file import Ds4GgufFile
 from ds4_vllm.model.quant.dequant import dequantize
@@ -147,11 +149,11 @@ def test_slice_file_is_made_once_and_is_deterministic(reduced_file, tmp_path):
 
 def test_lookup_benchmark_hits_the_prefix_file_at_every_count(tmp_path):
     rows = micro.lookup_cost([10, 40], tmp_path, calls=3, prompt_tokens=1024)
-    assert [r["entries"] for r in rows] == [10, 40]
+    assert [r.entries for r in rows] == [10, 40]
     assert [len(list((tmp_path / f"lookup-{n}").glob("*.kv"))) for n in (10, 40)] == [10, 40]
     for row in rows:
-        assert row["hit_tokens"] == 2 * 1024 // 3 // 64 * 64  # the prefix file, not another one
-        assert row["median_ms"] > 0
+        assert row.hit_tokens == 2 * 1024 // 3 // 64 * 64  # the prefix file, not another one
+        assert row.median_ms > 0
 
 
 def test_throughput_rows_measure_the_checkpoint_file_size(tmp_path):
@@ -159,7 +161,7 @@ def test_throughput_rows_measure_the_checkpoint_file_size(tmp_path):
     (row,) = micro.checkpoint_throughput("small", dims, [600], tmp_path, repeats=1)
     payload = micro.synthetic_payload(dims, 600, ctx_size=8192, seed=600)
     expected = checkpoint_file_size(600 * micro.TEXT_BYTES_PER_TOKEN, payload_size(payload.header))
-    assert round(row["file_mib"] * 2**20) == expected
+    assert round(row.file_mib * 2**20) == expected
     assert not list((tmp_path / "small-600").iterdir())  # the scratch files are removed
 
 
@@ -193,3 +195,32 @@ def test_slice_argument_gives_its_expert_count_and_the_label(monkeypatch, tmp_pa
         "slice with 16 routed experts",
     )
     assert slice_model.slice_for("slice")[2] == "slice"
+
+
+def restart_result(cold_s: float, restored_s: float, read_s: float, suffix_s: float) -> RestartResult:
+    return RestartResult(
+        model="ds4",
+        prompt_tokens=2048,
+        suffix_tokens=16,
+        cold=EnginePhase(engine_start_s=20.0, prompt_tokens=2048, ttft_s=cold_s),
+        restored=EnginePhase(
+            engine_start_s=20.0, prompt_tokens=2064, ttft_s=restored_s, suffix_prefill_s=suffix_s
+        ),
+        files=[],
+        restored_file_payload_header={},
+        resident_before_restore=0.0,
+        sequential_read_s=read_s,
+    )
+
+
+def test_the_restart_goal_needs_the_speed_up_and_the_read_plus_suffix_bound() -> None:
+    assert restart_result(2.0, 0.05, 0.02, 0.02).met  # 40x, 1.25 of read + suffix
+    assert not restart_result(2.0, 0.05, 0.01, 0.02).met  # 40x, but 1.67 of read + suffix
+    assert not restart_result(0.9, 0.05, 0.02, 0.02).met  # 1.25 of read + suffix, but 18x
+    results = MicroResults(
+        quick=True, machine={}, page_cache={}, restart=restart_result(2.0, 0.05, 0.01, 0.02)
+    )
+    written = json.loads(json.dumps(results.to_json()))
+    assert written["restart"]["speedup_vs_cold"] == 40.0
+    assert written["restart"]["met"] is False
+    assert "| 2 | 0.05 | 40 | 0.01 | 0.02 | 1.67 | no |" in micro_render.tables(results)
