@@ -29,6 +29,7 @@ from ds4_vllm.model.rope import TailRope
 
 NEG_INF = float("-inf")
 QUERY_BLOCK = 512  # queries attended together; bounds memory for long prefills
+TIE_CHECK_QUERIES = 64  # above this many queries, top-k ties are looked for before they are redone
 
 
 class Compressor(nn.Module):
@@ -71,8 +72,8 @@ class Compressor(nn.Module):
         gate = self.gate_proj(y) + self.position_bias[positions % self.ratio]
         self.state_cache.write(state_meta, plan.token_req, positions, torch.cat([kv, gate], dim=-1))
 
-        closing = ((positions + 1) % self.ratio == 0).nonzero().squeeze(-1)
-        if closing.numel() == 0:
+        closing = plan.closing_tokens(self.ratio)
+        if closing is None:
             return
         last = positions[closing]
         req = plan.token_req[closing]
@@ -175,15 +176,18 @@ def select_top_rows(
     kth = best[:, -1:]
     # A query whose k-th score is -inf sees fewer than topk rows: all of them are picked.
     tied = (kth[:, 0] > NEG_INF) & ((scores == kth).sum(-1) > (best == kth).sum(-1))
-    if bool(tied.any()):
-        rows = tied.nonzero().squeeze(-1)
-        s, k = scores[rows], kth[rows]
-        above = s > k
-        ties = s == k
-        need = topk - above.sum(-1, keepdim=True)
-        chosen = above | (ties & (ties.cumsum(-1) <= need))
-        indices[rows] = chosen.nonzero()[:, 1].view(-1, topk)
-    return indices, best > NEG_INF
+    # A decode step redoes every query without asking the device whether any is tied (a host
+    # read would stall a GPU); a long prefill asks first, since redoing costs a second top-k.
+    if n_queries > TIE_CHECK_QUERIES and not bool(tied.any()):
+        return indices, best > NEG_INF
+    above = scores > kth
+    ties = scores == kth
+    need = topk - above.sum(-1, keepdim=True)
+    chosen = above | (ties & (ties.cumsum(-1) <= need))
+    # The chosen rows in row order: the largest keys are the earliest chosen rows.
+    first_rows = torch.arange(count, 0, -1, device=scores.device)
+    in_row_order = (chosen * first_rows).topk(topk, dim=-1).indices
+    return torch.where(tied[:, None], in_row_order, indices), best > NEG_INF
 
 
 class Ds4Attention(nn.Module):

@@ -49,6 +49,9 @@ class Ds4CacheMetadata(AttentionMetadata):
     query_start_loc: torch.Tensor  # [num_reqs + 1] CPU
     seq_lens: torch.Tensor  # [num_reqs] CPU, tokens including this step's
     num_reqs: int
+    #: vLLM's device copy of `query_start_loc`: the plan's per-token request ids are computed from
+    #: it on the device (no host-made tensor to copy in each step). None: built from the host copy.
+    query_start_loc_device: torch.Tensor | None = None
 
     @cached_property
     def plan(self) -> BatchPlan:
@@ -56,6 +59,11 @@ class Ds4CacheMetadata(AttentionMetadata):
             self.query_start_loc[: self.num_reqs + 1].tolist(),
             self.seq_lens[: self.num_reqs].tolist(),
             device=self.block_table.device,
+            query_start_loc_device=(
+                None
+                if self.query_start_loc_device is None
+                else self.query_start_loc_device[: self.num_reqs + 1]
+            ),
         )
 
 
@@ -63,17 +71,49 @@ class BatchPlan:
     """Where each request's tokens of this step sit: queries [q_start, q_end) at positions [pos_start, seq_len)."""
 
     def __init__(
-        self, query_start_loc: list[int], seq_lens: list[int], device: torch.device | str = "cpu"
+        self,
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        device: torch.device | str = "cpu",
+        query_start_loc_device: torch.Tensor | None = None,
     ) -> None:
         self.q_start = query_start_loc[:-1]
         self.q_end = query_start_loc[1:]
         self.seq_len = seq_lens
         self.num_tokens = query_start_loc[-1]
         self.pos_start = [s - (e - b) for s, b, e in zip(seq_lens, self.q_start, self.q_end, strict=True)]
-        counts = torch.tensor([e - b for b, e in zip(self.q_start, self.q_end, strict=True)])
+        self._closing: dict[int, torch.Tensor | None] = {}
         #: The request of each token, on the device the step's tensors index it with (the
-        #: block table's: on CUDA, a CPU index into GPU rows failed).
-        self.token_req = torch.repeat_interleave(torch.arange(len(seq_lens)), counts).to(device)
+        #: block table's: on CUDA, a CPU index into GPU rows failed). From the device copy of
+        #: the query starts when there is one: a search on the device, nothing copied in.
+        if query_start_loc_device is not None:
+            ends = query_start_loc_device[1:]
+            tokens = torch.arange(self.num_tokens, device=ends.device, dtype=ends.dtype)
+            self.token_req = torch.searchsorted(ends, tokens, right=True).to(device)
+        else:
+            counts = torch.tensor([e - b for b, e in zip(self.q_start, self.q_end, strict=True)])
+            self.token_req = torch.repeat_interleave(
+                torch.arange(len(seq_lens)), counts, output_size=self.num_tokens
+            ).to(device)
+
+    def closing_tokens(self, ratio: int) -> torch.Tensor | None:
+        """Indices (in this step's tokens) of the tokens whose position p closes a window of
+        ``ratio``, (p + 1) % ratio == 0, in order, on the plan's device; None if no token does.
+
+        Known on the host from the plan, so nothing is read back from the device: one small copy
+        in per ratio and step, none in a decode step where no window closes.
+        """
+        if ratio not in self._closing:
+            out: list[int] = []
+            for _, queries, first, seq_len in self.requests():
+                p0 = first + (ratio - 1 - first) % ratio
+                out += [queries.start + p - first for p in range(p0, seq_len, ratio)]
+            self._closing[ratio] = (
+                torch.tensor(out, dtype=torch.int64).to(self.token_req.device, non_blocking=True)
+                if out
+                else None
+            )
+        return self._closing[ratio]
 
     def requests(self):
         """(request index, query slice, first position, sequence length) per request with tokens this step."""
@@ -124,6 +164,7 @@ class Ds4CacheMetadataBuilder(AttentionMetadataBuilder[Ds4CacheMetadata]):
             query_start_loc=cam.query_start_loc_cpu,
             seq_lens=cam.seq_lens.cpu(),
             num_reqs=cam.num_reqs,
+            query_start_loc_device=cam.query_start_loc,
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -84,8 +85,14 @@ class StepHidden:
 
     @classmethod
     def capture(cls, hidden: torch.Tensor, meta: Ds4CacheMetadata, compute_logits) -> StepHidden:
-        table = meta.block_table[: meta.num_reqs].to("cpu", copy=True)
+        # A copy on the block table's own device: nothing waits for it here; the host reads it
+        # only when the connector asks for logits (`logits_at`).
+        table = meta.block_table[: meta.num_reqs].clone()
         return cls(hidden, meta.plan, table, meta.block_size, compute_logits)
+
+    @cached_property
+    def _host_block_table(self) -> torch.Tensor:
+        return self.block_table.cpu()
 
     def logits_at(self, block_ids: list[int], position: int) -> torch.Tensor | None:
         """float32 logits after the token at ``position`` of the request owning ``block_ids``, if it ran."""
@@ -93,7 +100,7 @@ class StepHidden:
         if index >= len(block_ids) or index >= self.block_table.shape[1]:
             return None
         for r, queries, first, seq_len in self.plan.requests():
-            if first <= position < seq_len and int(self.block_table[r, index]) == block_ids[index]:
+            if first <= position < seq_len and int(self._host_block_table[r, index]) == block_ids[index]:
                 row = self.hidden[queries.start + position - first]
                 return self.compute_logits(row[None])[0].float()
         return None

@@ -55,3 +55,40 @@ def prefill_hidden(model, token_ids: torch.Tensor) -> torch.Tensor:
     metadata = bind_caches(model, token_ids.shape[0])
     with torch.no_grad():
         return model.model(token_ids, torch.arange(token_ids.shape[0]), None, metadata)
+
+
+def decode_metadata(
+    module: nn.Module, prompt_lengths: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> dict:
+    """Caches on `device` for requests with `prompt_lengths` tokens each, and the metadata of one
+    decode step (one new token per request, request r's blocks after request r-1's), as vLLM's
+    runner passes it: block tables and query starts on the device, their host copies on the CPU."""
+    from ds4_vllm.model.cache_layers import Ds4CacheLayer, Ds4CacheMetadata
+
+    seq_lens = [n + 1 for n in prompt_lengths]
+    metadata = {}
+    groups: dict[str, Ds4CacheMetadata] = {}  # vLLM builds one metadata per group of equal specs
+    for layer in module.modules():
+        if not isinstance(layer, Ds4CacheLayer):
+            continue
+        block = layer.spec.block_size
+        width = max(-(-n // block) for n in seq_lens)
+        layer.kv_cache = torch.zeros(
+            1 + width * len(seq_lens),
+            1,
+            block // layer.tokens_per_row,
+            layer.spec.head_size,
+            dtype=dtype,
+            device=device,
+        )
+        table = 1 + torch.arange(width * len(seq_lens), dtype=torch.int32).view(len(seq_lens), width)
+        metadata[layer.prefix] = groups.get(repr(layer.spec)) or Ds4CacheMetadata(
+            block_table=table.to(device),
+            block_size=block,
+            query_start_loc=torch.arange(len(seq_lens) + 1),
+            seq_lens=torch.tensor(seq_lens),
+            num_reqs=len(seq_lens),
+            query_start_loc_device=torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=device),
+        )
+        groups[repr(layer.spec)] = metadata[layer.prefix]
+    return metadata

@@ -187,6 +187,20 @@ def test_top_rows_ties_go_to_earlier_rows_whatever_the_row_count():
         assert _chosen(indices, valid, 2) == [5, 6, 7, 8]
 
 
+def test_top_rows_are_the_same_whether_ties_are_looked_for_first_or_redone_for_every_query():
+    """A decode-sized batch redoes every query without a host read (issue 25); a prefill-sized one
+    looks for ties first. Both give the same rows in the same order."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 4, (attention.TIE_CHECK_QUERIES + 6, 50), generator=g).float()
+    scores[::2] = torch.rand(scores[::2].shape, generator=g)  # every other query without ties
+    visible = torch.rand(scores.shape, generator=g) < 0.9
+    long_batch = attention.select_top_rows(scores, visible, topk=8)
+    for start in range(0, scores.shape[0], 5):
+        part = slice(start, start + 5)
+        short = attention.select_top_rows(scores[part], visible[part], topk=8)
+        assert torch.equal(short[0], long_batch[0][part]) and torch.equal(short[1], long_batch[1][part])
+
+
 def test_top_rows_of_a_query_that_sees_fewer_rows_than_topk_are_all_its_rows():
     scores = torch.arange(12.0).flip(0)[None].expand(2, 12).clone()
     visible = torch.arange(12)[None, :] < torch.tensor([[2], [12]])

@@ -163,9 +163,9 @@ def test_quant_experts_dequantize_only_the_selected_experts(monkeypatch: pytest.
 
     dequantized: list[list[int]] = []
 
-    def recording_dequantize(weight: QuantizedWeight, index=None, dtype=torch.float32) -> torch.Tensor:
+    def recording_dequantize(weight: QuantizedWeight, index=None, dtype=torch.float32, **kw) -> torch.Tensor:
         dequantized.append(torch.as_tensor(index).tolist())
-        return dequantize(weight, index=index, dtype=dtype)
+        return dequantize(weight, index=index, dtype=dtype, **kw)
 
     monkeypatch.setattr(modules, "dequantize", recording_dequantize)
     quant = make_quant_experts(8, 64, 64, budget=2 * 3 * 64 * 64 * 4)  # two experts per group
@@ -197,13 +197,52 @@ def test_quant_experts_one_token_path_matches_the_general_path_bit_for_bit(packe
         assert torch.equal(fast[t], general[t]), f"token {t}"
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_gathered_decode_path_computes_the_routed_expert_sum(packed: bool) -> None:
+    """Off the CPU a decode batch gathers each (token, expert) pair's weights on the device
+    (issue 25: no routing read back). It is plain torch, so it runs here too."""
+    n_experts, hidden, ffn = 8, 64, 96
+    quant = make_quant_experts(n_experts, hidden, ffn, budget=1 << 30)
+    gate, up, down = (
+        p.expert_weights(range(n_experts)) for p in (quant.gate_proj, quant.up_proj, quant.down_proj)
+    )
+    if not packed:
+        quant = QuantExperts(n_experts, hidden, ffn, limit=7.0)
+        for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            getattr(quant, name).set_weight(w)
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(8))
+    indices, weights = routing(5, n_experts, 6, seed=9)
+    expected = _experts_by_token(x, indices, weights, gate, up, down, 7.0)
+    got = quant._forward_gathered(x, indices, weights)
+    # the same float32 round-off bound as the general path's (test above)
+    assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+def test_the_gathered_path_adds_only_this_ranks_experts() -> None:
+    """Under expert parallelism a rank holds experts 4..7; routes to others add nothing here."""
+    n_experts, hidden, ffn = 8, 64, 96
+    full = make_quant_experts(n_experts, hidden, ffn, budget=1 << 30)
+    gate, up, down = (
+        p.expert_weights(range(n_experts)) for p in (full.gate_proj, full.up_proj, full.down_proj)
+    )
+    rank = QuantExperts(n_experts, hidden, ffn, limit=7.0, experts=range(4, 8))
+    for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+        getattr(rank, name).set_weight(w)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(10))
+    indices, weights = routing(3, n_experts, 6, seed=11)
+    mine = weights * (indices >= 4)
+    expected = _experts_by_token(x, indices, mine, gate, up, down, 7.0)
+    got = rank._forward_gathered(x, indices, weights)
+    assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
 def test_one_token_dequantizes_only_its_experts_a_matrix_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     shapes: list[tuple[int, ...]] = []
 
-    def recording_dequantize(weight: QuantizedWeight, index=None, dtype=torch.float32) -> torch.Tensor:
+    def recording_dequantize(weight: QuantizedWeight, index=None, dtype=torch.float32, **kw) -> torch.Tensor:
         assert index is None
         shapes.append(weight.shape)
-        return dequantize(weight, index=index, dtype=dtype)
+        return dequantize(weight, index=index, dtype=dtype, **kw)
 
     quant = make_quant_experts(8, 64, 96, budget=1 << 30)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))

@@ -195,8 +195,8 @@ def _mxfp4(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values.mul_(e8m0_to_float(scale).unsqueeze(-1)).view(*data.shape[:-1], 2 * data.shape[-1])
 
 
-def _resolve_index(index: IndexLike, length: int, device: torch.device) -> torch.Tensor:
-    """Leading-dim selection as a 1-D int64 tensor on ``device``, with its range checked."""
+def _resolve_index(index: IndexLike, length: int, device: torch.device, check: bool = True) -> torch.Tensor:
+    """Leading-dim selection as a 1-D int64 tensor on ``device``, with its range checked (``check``)."""
     if isinstance(index, torch.Tensor):
         if index.dtype.is_floating_point or index.dtype == torch.bool or index.dim() > 1:
             raise TypeError(
@@ -205,7 +205,7 @@ def _resolve_index(index: IndexLike, length: int, device: torch.device) -> torch
         ids = index.reshape(-1).to(device=device, dtype=torch.int64)
     else:
         ids = torch.tensor(list(index), dtype=torch.int64, device=device)
-    if ids.numel():
+    if check and ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= length:
             bad = lo if lo < 0 else hi
@@ -214,7 +214,10 @@ def _resolve_index(index: IndexLike, length: int, device: torch.device) -> torch
 
 
 def dequantize(
-    weight: QuantizedWeight, index: IndexLike | None = None, dtype: torch.dtype = torch.float32
+    weight: QuantizedWeight,
+    index: IndexLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    check_index: bool = True,
 ) -> torch.Tensor:
     """Dequantize ``weight`` (or only the leading-dim rows ``index`` selects) to ``dtype``.
 
@@ -222,14 +225,15 @@ def dequantize(
     weight): an int drops that dim like tensor indexing, a sequence or 1-D tensor keeps it.
     Only the selected rows' bytes are read. The values are computed in float32 and converted
     once at the end. For F32/F16/BF16 weights already in ``dtype`` the result is a view of
-    ``weight.data`` (do not write to it).
+    ``weight.data`` (do not write to it). ``check_index=False`` skips the range check of a
+    tensor ``index`` that the caller has clamped (the check reads it back from the device).
     """
     qtype, shape = weight.qtype, weight.shape
     data, scale = weight.data, weight.scale
     squeeze = isinstance(index, int) and not isinstance(index, bool)
     ids = None
     if index is not None:
-        ids = _resolve_index([index] if squeeze else index, shape[0], data.device)
+        ids = _resolve_index([index] if squeeze else index, shape[0], data.device, check_index)
         shape = (ids.numel(), *shape[1:])
         data = data.index_select(0, ids)
         if scale is not None and not (qtype is QuantType.FP8_BLOCK and len(weight.shape) == 2):

@@ -46,6 +46,9 @@ ROW_BLOCK_BYTES = 8 << 20
 #: Up to this many tokens the row blocks are faster (measured 1 to 256; at 2,048, a prefill
 #: chunk, the whole weight is faster: the matmul dominates and reuses one dequantization).
 ROW_BLOCK_MAX_TOKENS = 256
+#: Off the CPU, steps with at most this many (token, expert) pairs gather each pair's expert
+#: weights on the device (`QuantExperts._forward_gathered`): a decode batch of 32 at top-6.
+GATHERED_PAIRS = 192
 
 
 def quant_linear(x: torch.Tensor, weight: WeightLike, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,11 +287,16 @@ class QuantExpertWeight(_PackedWeightHolder):
         """Global ids of this rank's experts not installed yet (a loader checks this is empty before serving)."""
         return [self.experts[i] for i, done in enumerate(self._expert_set) if not done]
 
-    def expert_weights(self, ids: IndexLike, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Float weights of the experts ``ids`` ([len(ids), out, in]); only those are dequantized."""
+    def expert_weights(
+        self, ids: IndexLike, dtype: torch.dtype = torch.float32, check_index: bool = True
+    ) -> torch.Tensor:
+        """Float weights of the experts ``ids`` ([len(ids), out, in]); only those are dequantized.
+
+        ``check_index=False``: the caller has clamped ``ids`` into range (the check reads them back).
+        """
         w = self.stored_weight()
         if isinstance(w, QuantizedWeight):
-            return dequantize(w, index=ids, dtype=dtype)
+            return dequantize(w, index=ids, dtype=dtype, check_index=check_index)
         if not isinstance(ids, torch.Tensor):
             ids = torch.as_tensor(ids, dtype=torch.int64)
         return w.index_select(0, ids.to(device=w.device, dtype=torch.int64)).to(dtype)
@@ -343,6 +351,8 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden]; ``indices``/``weights`` [tokens, top_k] from the router."""
+        if x.device.type != "cpu" and indices.numel() <= GATHERED_PAIRS:
+            return self._forward_gathered(x, indices, weights)
         if x.shape[0] == 1 and (out := self._forward_one_token(x, indices[0], weights[0])) is not None:
             return out
         out = torch.zeros_like(x)
@@ -364,6 +374,29 @@ class QuantExperts(nn.Module):
                 y = self.expert_forward(x[tokens], gate[w_index], up[w_index], down[w_index])
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
         return out
+
+    def _forward_gathered(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """A decode step on an accelerator: each (token, expert) pair's weights gathered on the
+        device, so nothing is read back to the host and the shapes do not depend on the routing
+        (what a CUDA graph needs). It reads each picked expert once per pair, as the general path
+        does per expert; for prefill-sized batches that copy would be too large.
+        """
+        tokens, top_k = indices.shape
+        local = indices.flatten() - self.experts.start
+        mine = (local >= 0) & (local < len(self.experts))  # expert parallel: this rank's experts only
+        local = local.clamp(0, len(self.experts) - 1)
+        gate, up, down = (
+            p.expert_weights(local, x.dtype, check_index=False)
+            for p in (self.gate_proj, self.up_proj, self.down_proj)
+        )
+        rows = x.repeat_interleave(top_k, dim=0, output_size=tokens * top_k).unsqueeze(-1)
+        g = torch.bmm(gate, rows).squeeze(-1).clamp(max=self.limit)
+        u = torch.bmm(up, rows).squeeze(-1).clamp(min=-self.limit, max=self.limit)
+        y = torch.bmm(down, (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+        scale = (weights.flatten() * mine).to(x.dtype).unsqueeze(-1)
+        return (y * scale).view(tokens, top_k, -1).sum(dim=1)
 
     def _forward_one_token(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
