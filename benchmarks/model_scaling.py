@@ -107,12 +107,12 @@ def chunked_prefill(net: Any, token_ids: Any, chunk: int = CHUNK) -> Any:
     """Final hidden state of the last token after prefilling ``token_ids`` in steps of ``chunk``."""
     import torch
 
-    from ds4_vllm.model.cache_layers import Ds4CacheLayer, Ds4CacheMetadata
+    from ds4_vllm.model.paged_state import Ds4CacheMetadata, PagedState
     from tests.model.direct_model import bind_caches
 
     n = int(token_ids.shape[0])
     bind_caches(net, n)  # zeroed caches for the whole prompt, blocks 1.. in order
-    layers = [m for m in net.modules() if isinstance(m, Ds4CacheLayer)]
+    layers = [m for m in net.modules() if isinstance(m, PagedState)]
     hidden = None
     with torch.no_grad():
         for start in range(0, n, chunk):
@@ -120,7 +120,7 @@ def chunked_prefill(net: Any, token_ids: Any, chunk: int = CHUNK) -> Any:
             metadata = {
                 layer.prefix: Ds4CacheMetadata(
                     block_table=torch.arange(1, layer.kv_cache.shape[0], dtype=torch.int32)[None],
-                    block_size=layer.spec.block_size,
+                    block_size=layer.state.block_size,
                     query_start_loc=torch.tensor([0, end - start]),
                     seq_lens=torch.tensor([end]),
                     num_reqs=1,

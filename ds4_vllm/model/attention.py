@@ -20,8 +20,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheLayer, Ds4CacheMetadata
 from ds4_vllm.model.layers import RMSNorm, rms_norm, split_parameter
+from ds4_vllm.model.paged_state import BatchPlan, Ds4CacheMetadata, PagedState
 from ds4_vllm.model.parallel import SINGLE, Split, TpGroup
 from ds4_vllm.model.qat import fp8_kv_roundtrip, indexer_qat
 from ds4_vllm.model.quant.modules import QuantLinear
@@ -51,6 +51,7 @@ class Compressor(nn.Module):
         prefix: str,
         dtype,
         finish_row: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        states: type[PagedState] = PagedState,
     ) -> None:
         super().__init__()
         self.width, self.ratio, self.rope = width, ratio, rope
@@ -61,10 +62,10 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, self.coff * width))
         self.kv_norm = RMSNorm(width, eps)
         self.window = self.coff * ratio
-        self.state_cache = Ds4CacheLayer.compressor_inputs(
+        self.state_cache = states.compressor_inputs(
             f"{prefix}.state_cache", 2 * self.coff * width, self.window, ratio, dtype
         )
-        self.kv_cache = Ds4CacheLayer.compressed_rows(f"{prefix}.kv_cache", width, ratio, dtype)
+        self.kv_cache = states.compressed_rows(f"{prefix}.kv_cache", width, ratio, dtype)
 
     def update(self, y: torch.Tensor, positions: torch.Tensor, plan: BatchPlan, metadata: dict) -> None:
         state_meta: Ds4CacheMetadata = metadata[self.state_cache.prefix]
@@ -107,7 +108,9 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: scores compressed rows per query and keeps the top ``index_topk``."""
 
-    def __init__(self, config, rope: TailRope, prefix: str, dtype) -> None:
+    def __init__(
+        self, config, rope: TailRope, prefix: str, dtype, states: type[PagedState] = PagedState
+    ) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk = (
             config.index_n_heads,
@@ -126,6 +129,7 @@ class Indexer(nn.Module):
             prefix,
             dtype,
             finish_row=indexer_qat if self.official_numerics else None,
+            states=states,
         )
         self.q_b_proj = QuantLinear(config.q_lora_rank, self.n_heads * self.head_dim)
         self.scorer = nn.Module()
@@ -193,7 +197,15 @@ def select_top_rows(
 class Ds4Attention(nn.Module):
     """Shared-KV MQA with per-head sinks over the raw window plus compressed rows."""
 
-    def __init__(self, config, layer_idx: int, prefix: str, dtype, tp: TpGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        prefix: str,
+        dtype,
+        tp: TpGroup = SINGLE,
+        states: type[PagedState] = PagedState,
+    ) -> None:
         super().__init__()
         hidden, self.head_dim = config.hidden_size, config.head_dim
         self.tp = tp
@@ -237,7 +249,7 @@ class Ds4Attention(nn.Module):
             Split(0, heads, config.num_attention_heads) if split else None,
         )
 
-        self.swa_cache = Ds4CacheLayer.raw_window(f"{prefix}.swa_cache", self.head_dim, self.window, dtype)
+        self.swa_cache = states.raw_window(f"{prefix}.swa_cache", self.head_dim, self.window, dtype)
         self.compressor: Compressor | None = None
         if self.ratio:
             self.compressor = Compressor(
@@ -249,9 +261,12 @@ class Ds4Attention(nn.Module):
                 f"{prefix}.compressor",
                 dtype,
                 finish_row=self.finish_kv,
+                states=states,
             )
             if self.ratio == 4:
-                self.compressor.indexer = Indexer(config, self.rope, f"{prefix}.compressor.indexer", dtype)
+                self.compressor.indexer = Indexer(
+                    config, self.rope, f"{prefix}.compressor.indexer", dtype, states
+                )
 
     def forward(self, y: torch.Tensor, positions: torch.Tensor, metadata: dict | None) -> torch.Tensor:
         n = y.shape[0]

@@ -1,127 +1,27 @@
-"""Paged per-sequence state of DeepSeek V4 inside vLLM's KV cache.
+"""The vLLM side of the paged state: each `PagedState` as a vLLM attention layer.
 
-Each role of the state (raw sliding-window rows, compressed rows, indexer rows,
-per-token compressor inputs) is one cache layer that vLLM's hybrid KV cache
-manager allocates and addresses through block tables. Every row sits in a slot
-fixed by its token position, so recomputing a token rewrites the same slot: the
-layout is idempotent under vLLM's recompute of the last prompt token, prefix
-caching, preemption and connector restores.
-
-The cache layers only describe and address memory; the math lives in
-``attention.py``. Reads and writes go through ``kv[block, 0, state]`` indexing
-because vLLM's packed (BLHNC) layout hands out strided per-layer views.
+vLLM's hybrid KV cache manager allocates a cache for every `Ds4CacheLayer` from its spec and
+addresses it through block tables; `Ds4CacheMetadataBuilder` turns vLLM's per-step metadata into
+the plain `Ds4CacheMetadata` the model reads (``paged_state.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 from typing import ClassVar
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImplBase,
-    AttentionMetadata,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
 from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec, SlidingWindowMLASpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-# Block sizes (tokens per block) per role. vLLM's own DeepSeek V4 port uses the
-# same numbers: the scheduler block is their lcm (256), so prefix-cache hits land
-# on multiples of 256 tokens.
-RAW_WINDOW_BLOCK = 64
-COMPRESSED_BLOCK = 256
-STATE_BLOCK = {4: 4, 128: 8}
-
-
-@dataclass
-class Ds4CacheMetadata(AttentionMetadata):
-    """One group's addressing for one step (built once per step, shared by the group's layers)."""
-
-    block_table: torch.Tensor  # [num_reqs, width] int32 block ids of this group
-    block_size: int  # the group's final block size (vLLM may rescale the spec's)
-    query_start_loc: torch.Tensor  # [num_reqs + 1] CPU
-    seq_lens: torch.Tensor  # [num_reqs] CPU, tokens including this step's
-    num_reqs: int
-    #: vLLM's device copy of `query_start_loc`: the plan's per-token request ids are computed from
-    #: it on the device (no host-made tensor to copy in each step). None: built from the host copy.
-    query_start_loc_device: torch.Tensor | None = None
-
-    @cached_property
-    def plan(self) -> BatchPlan:
-        return BatchPlan(
-            self.query_start_loc[: self.num_reqs + 1].tolist(),
-            self.seq_lens[: self.num_reqs].tolist(),
-            device=self.block_table.device,
-            query_start_loc_device=(
-                None
-                if self.query_start_loc_device is None
-                else self.query_start_loc_device[: self.num_reqs + 1]
-            ),
-        )
-
-
-class BatchPlan:
-    """Where each request's tokens of this step sit: queries [q_start, q_end) at positions [pos_start, seq_len)."""
-
-    def __init__(
-        self,
-        query_start_loc: list[int],
-        seq_lens: list[int],
-        device: torch.device | str = "cpu",
-        query_start_loc_device: torch.Tensor | None = None,
-    ) -> None:
-        self.q_start = query_start_loc[:-1]
-        self.q_end = query_start_loc[1:]
-        self.seq_len = seq_lens
-        self.num_tokens = query_start_loc[-1]
-        self.pos_start = [s - (e - b) for s, b, e in zip(seq_lens, self.q_start, self.q_end, strict=True)]
-        self._closing: dict[int, torch.Tensor | None] = {}
-        #: The request of each token, on the device the step's tensors index it with (the
-        #: block table's: on CUDA, a CPU index into GPU rows failed). From the device copy of
-        #: the query starts when there is one: a search on the device, nothing copied in.
-        if query_start_loc_device is not None:
-            ends = query_start_loc_device[1:]
-            tokens = torch.arange(self.num_tokens, device=ends.device, dtype=ends.dtype)
-            self.token_req = torch.searchsorted(ends, tokens, right=True).to(device)
-        else:
-            counts = torch.tensor([e - b for b, e in zip(self.q_start, self.q_end, strict=True)])
-            self.token_req = torch.repeat_interleave(
-                torch.arange(len(seq_lens)), counts, output_size=self.num_tokens
-            ).to(device)
-
-    def closing_tokens(self, ratio: int) -> torch.Tensor | None:
-        """Indices (in this step's tokens) of the tokens whose position p closes a window of
-        ``ratio``, (p + 1) % ratio == 0, in order, on the plan's device; None if no token does.
-
-        Known on the host from the plan, so nothing is read back from the device: one small copy
-        in per ratio and step, none in a decode step where no window closes.
-        """
-        if ratio not in self._closing:
-            out: list[int] = []
-            for _, queries, first, seq_len in self.requests():
-                p0 = first + (ratio - 1 - first) % ratio
-                out += [queries.start + p - first for p in range(p0, seq_len, ratio)]
-            self._closing[ratio] = (
-                torch.tensor(out, dtype=torch.int64).to(self.token_req.device, non_blocking=True)
-                if out
-                else None
-            )
-        return self._closing[ratio]
-
-    def requests(self):
-        """(request index, query slice, first position, sequence length) per request with tokens this step."""
-        for r, (b, e, p, n) in enumerate(
-            zip(self.q_start, self.q_end, self.pos_start, self.seq_len, strict=True)
-        ):
-            if e > b:
-                yield r, slice(b, e), p, n
+from ds4_vllm.model.paged_state import Ds4CacheMetadata, PagedState, StateSpec
 
 
 class Ds4CacheBackend(AttentionBackend):
@@ -168,47 +68,17 @@ class Ds4CacheMetadataBuilder(AttentionMetadataBuilder[Ds4CacheMetadata]):
         )
 
 
-class Ds4CacheLayer(nn.Module, AttentionLayerBase):
-    """One role of the per-sequence state for one model layer.
+class Ds4CacheLayer(PagedState, AttentionLayerBase):
+    """A `PagedState` that vLLM allocates: registered in vLLM's forward context under its prefix,
+    with the KV cache spec of its role."""
 
-    ``tokens_per_row`` is 1 for per-token rows (raw window, compressor inputs) and
-    the compression ratio for compressed and indexer rows; row ``c`` of a
-    compressed cache lives in the slot of token ``c * ratio``.
-    """
-
-    def __init__(self, prefix: str, spec: KVCacheSpec, tokens_per_row: int = 1) -> None:
-        super().__init__()
-        self.prefix = prefix
-        self.spec = spec
-        self.tokens_per_row = tokens_per_row
-        self.kv_cache = torch.empty(0)
+    def __init__(self, prefix: str, state: StateSpec) -> None:
+        super().__init__(prefix, state)
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"duplicate DS4 cache layer name {prefix!r}")
         context[prefix] = self
-
-    @classmethod
-    def raw_window(cls, prefix: str, width: int, window: int, dtype: torch.dtype) -> Ds4CacheLayer:
-        spec = SlidingWindowMLASpec(
-            block_size=RAW_WINDOW_BLOCK, num_kv_heads=1, head_size=width, dtype=dtype, sliding_window=window
-        )
-        return cls(prefix, spec)
-
-    @classmethod
-    def compressed_rows(cls, prefix: str, width: int, ratio: int, dtype: torch.dtype) -> Ds4CacheLayer:
-        spec = MLAAttentionSpec(
-            block_size=COMPRESSED_BLOCK, num_kv_heads=1, head_size=width, dtype=dtype, tokens_per_state=ratio
-        )
-        return cls(prefix, spec, tokens_per_row=ratio)
-
-    @classmethod
-    def compressor_inputs(
-        cls, prefix: str, width: int, window: int, ratio: int, dtype: torch.dtype
-    ) -> Ds4CacheLayer:
-        spec = SlidingWindowMLASpec(
-            block_size=STATE_BLOCK[ratio], num_kv_heads=1, head_size=width, dtype=dtype, sliding_window=window
-        )
-        return cls(prefix, spec)
+        self.spec = kv_cache_spec(state)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return Ds4CacheBackend
@@ -216,23 +86,21 @@ class Ds4CacheLayer(nn.Module, AttentionLayerBase):
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         return self.spec
 
-    def _slots(self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor):
-        bs = meta.block_size
-        table = meta.block_table
-        blocks = table[req.to(table.device), (token_pos // bs).to(table.device)].long()
-        states = ((token_pos % bs) // self.tokens_per_row).to(blocks.device)
-        return blocks, states
 
-    def write(
-        self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor, rows: torch.Tensor
-    ) -> None:
-        """Store ``rows[i]`` in the slot of token ``token_pos[i]`` of request ``req[i]``."""
-        if rows.shape[0] == 0:
-            return
-        blocks, states = self._slots(meta, req, token_pos)
-        self.kv_cache[blocks, 0, states] = rows.to(self.kv_cache.dtype)
-
-    def read(self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor) -> torch.Tensor:
-        """Rows stored for tokens ``token_pos`` (any shape) of requests ``req`` (same shape)."""
-        blocks, states = self._slots(meta, req, token_pos)
-        return self.kv_cache[blocks, 0, states]
+def kv_cache_spec(state: StateSpec) -> KVCacheSpec:
+    """vLLM's spec of a role: sliding-window rows, or compressed rows of ``tokens_per_row`` tokens."""
+    if state.window:
+        return SlidingWindowMLASpec(
+            block_size=state.block_size,
+            num_kv_heads=1,
+            head_size=state.head_size,
+            dtype=state.dtype,
+            sliding_window=state.window,
+        )
+    return MLAAttentionSpec(
+        block_size=state.block_size,
+        num_kv_heads=1,
+        head_size=state.head_size,
+        dtype=state.dtype,
+        tokens_per_state=state.tokens_per_row,
+    )

@@ -1,6 +1,6 @@
 """Puts checkpoint tensors into a `Ds4ForCausalLM`, whatever layout and weight format they come in.
 
-Names go through `weight_names.CHECKPOINT_MAPPER`. Projections (`QuantLinear`) and routed-expert
+Names go through `weight_names.model_name`. Projections (`QuantLinear`) and routed-expert
 stacks (`QuantExpertWeight`) take their weights as the checkpoint stores them: float tensors in the
 model's dtype, FP8 block-scaled and MXFP4 tensors paired with their `.scale` sibling and kept
 packed, GGUF blocks (`QuantizedWeight`) as they are. Per-expert tensors fill their row of the
@@ -20,7 +20,7 @@ from torch import nn
 from ds4_vllm.model.parallel import Split
 from ds4_vllm.model.quant import QuantizedWeight, QuantType
 from ds4_vllm.model.quant.modules import QuantExpertWeight, QuantLinear
-from ds4_vllm.model.weight_names import CHECKPOINT_MAPPER, FUSED_GATE_UP, MTP_PATTERN, expert_slot
+from ds4_vllm.model.weight_names import FUSED_GATE_UP, MTP_PATTERN, expert_slot, model_name
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class CheckpointLoader:
             if MTP_PATTERN.match(name):
                 self.skipped_mtp += 1
                 continue
-            self._load_one(name, CHECKPOINT_MAPPER.map_name(name) or name, value)
+            self._load_one(name, model_name(name), value)
         if self.skipped_mtp:
             logger.info(
                 "Skipped %d multi-token-prediction tensors (mtp.*): Ds4ForCausalLM has no MTP head",

@@ -11,9 +11,11 @@ Three naming schemes reach the loader (`../shared/specs/checkpoint-formats.md` Â
   directory transformers loaded from such names and saved again has them with `norm` for
   `kv_norm`.
 
-`CHECKPOINT_MAPPER` (vLLM's `WeightsMapper`) renames the first two onto the third; its regexes
-apply in order, so the saved layout is first normalised to native names, then native names are
-mapped onto ours. Names already in our form pass through untouched.
+`model_name` renames the first two onto the third; its regexes apply in order, as vLLM's
+`WeightsMapper` applies them, so the saved layout is first normalised to native names, then native
+names are mapped onto ours. Names already in our form pass through untouched. It is written out
+here rather than through `WeightsMapper` so that the model loads without vLLM (issue 25: the GPU
+check runs where vLLM cannot be installed).
 
 Routed experts come per expert in the native layouts (`layers.N.ffn.experts.E.w1.weight`); they
 map to `...mlp.experts.E.gate_proj.weight`, which `expert_slot` splits into the stacked
@@ -25,14 +27,8 @@ from __future__ import annotations
 
 import re
 
-from vllm.model_executor.models.utils import WeightsMapper
-
 _L = r"layers\.(\d+)"
 _OURS = r"model.layers.\1"
-
-
-def _ordered(pairs: list[tuple[str, str | None]]) -> dict[re.Pattern, str | None]:
-    return {re.compile(pattern): target for pattern, target in pairs}
 
 
 # Step 1: transformers' saved layout â†’ native names.
@@ -94,9 +90,19 @@ _IN_MEMORY_TO_MODEL = [
     ),
 ]
 
-CHECKPOINT_MAPPER = WeightsMapper(
-    orig_to_new_regex=_ordered(_SAVED_TO_NATIVE + _NATIVE_TO_MODEL + _IN_MEMORY_TO_MODEL)
-)
+_RENAMES = [
+    (re.compile(pattern), target)
+    for pattern, target in _SAVED_TO_NATIVE + _NATIVE_TO_MODEL + _IN_MEMORY_TO_MODEL
+]
+
+
+def model_name(name: str) -> str:
+    """This model's parameter name for checkpoint tensor ``name`` (every rule in order)."""
+    for pattern, target in _RENAMES:
+        if pattern.search(name):
+            name = pattern.sub(target, name)
+    return name
+
 
 #: Multi-token-prediction tensors (`mtp.J.*`): the model has no MTP head, so they are skipped.
 MTP_PATTERN = re.compile(r"^(model\.)?mtp\.")

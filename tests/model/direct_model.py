@@ -6,39 +6,34 @@ does). This is enough for the attention paths, at a fraction of an engine's star
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
 
 def build_model(config, dtype: torch.dtype = torch.float32):
-    """`Ds4ForCausalLM` for `config` with the default model's weights loaded."""
+    """The model core (`Ds4CausalLM`, no vLLM) for `config` with the default model's weights loaded."""
     from safetensors.torch import load_file
-    from vllm.config import VllmConfig, set_current_vllm_config
 
+    from ds4_vllm.model.core import Ds4CausalLM
     from ds4_vllm.model.default_model import default_model_dir
-    from ds4_vllm.model.model import Ds4ForCausalLM
 
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=dtype))
-    with set_current_vllm_config(VllmConfig()):  # a fresh registry of cache-layer names
-        model = Ds4ForCausalLM(vllm_config=vllm_config)
+    model = Ds4CausalLM(config, dtype)
     model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
     return model.eval()
 
 
 def bind_caches(module: nn.Module, n_tokens: int, dtype: torch.dtype = torch.float32) -> dict:
     """Zeroed caches for every cache layer under `module`, and the metadata of one prefill step."""
-    from ds4_vllm.model.cache_layers import Ds4CacheLayer, Ds4CacheMetadata
+    from ds4_vllm.model.paged_state import Ds4CacheMetadata, PagedState
 
     metadata = {}
     for layer in module.modules():
-        if not isinstance(layer, Ds4CacheLayer):
+        if not isinstance(layer, PagedState):
             continue
-        block = layer.spec.block_size
+        block = layer.state.block_size
         blocks = -(-n_tokens // block) + 1
         layer.kv_cache = torch.zeros(
-            blocks, 1, block // layer.tokens_per_row, layer.spec.head_size, dtype=dtype
+            blocks, 1, block // layer.tokens_per_row, layer.state.head_size, dtype=dtype
         )
         metadata[layer.prefix] = Ds4CacheMetadata(
             block_table=torch.arange(1, blocks, dtype=torch.int32)[None],
@@ -63,26 +58,26 @@ def decode_metadata(
     """Caches on `device` for requests with `prompt_lengths` tokens each, and the metadata of one
     decode step (one new token per request, request r's blocks after request r-1's), as vLLM's
     runner passes it: block tables and query starts on the device, their host copies on the CPU."""
-    from ds4_vllm.model.cache_layers import Ds4CacheLayer, Ds4CacheMetadata
+    from ds4_vllm.model.paged_state import Ds4CacheMetadata, PagedState
 
     seq_lens = [n + 1 for n in prompt_lengths]
     metadata = {}
     groups: dict[str, Ds4CacheMetadata] = {}  # vLLM builds one metadata per group of equal specs
     for layer in module.modules():
-        if not isinstance(layer, Ds4CacheLayer):
+        if not isinstance(layer, PagedState):
             continue
-        block = layer.spec.block_size
+        block = layer.state.block_size
         width = max(-(-n // block) for n in seq_lens)
         layer.kv_cache = torch.zeros(
             1 + width * len(seq_lens),
             1,
             block // layer.tokens_per_row,
-            layer.spec.head_size,
+            layer.state.head_size,
             dtype=dtype,
             device=device,
         )
         table = 1 + torch.arange(width * len(seq_lens), dtype=torch.int32).view(len(seq_lens), width)
-        metadata[layer.prefix] = groups.get(repr(layer.spec)) or Ds4CacheMetadata(
+        metadata[layer.prefix] = groups.get(repr(layer.state)) or Ds4CacheMetadata(
             block_table=table.to(device),
             block_size=block,
             query_start_loc=torch.arange(len(seq_lens) + 1),
@@ -90,5 +85,5 @@ def decode_metadata(
             num_reqs=len(seq_lens),
             query_start_loc_device=torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=device),
         )
-        groups[repr(layer.spec)] = metadata[layer.prefix]
+        groups[repr(layer.state)] = metadata[layer.prefix]
     return metadata

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4_vllm.model.cache_layers import BatchPlan, Ds4CacheMetadata
+from ds4_vllm.model.paged_state import BatchPlan, Ds4CacheMetadata
 
 
 def test_token_requests_are_on_the_block_tables_device() -> None:

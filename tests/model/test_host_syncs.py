@@ -46,7 +46,7 @@ def test_a_decode_step_reads_nothing_back_from_the_device(meta_model, batch: int
     # The only tensors made on the host are the closing tokens' indices, one per window ratio
     # (4 and 128: the first request's token closes both), copied in once for the step's layers.
     sites = {site.rsplit(":", 1)[0] for _, site in counter.events}
-    assert len(counter.events) == 2 and sites == {"ds4_vllm/model/cache_layers.py"}
+    assert len(counter.events) == 2 and sites == {"ds4_vllm/model/paged_state.py"}
 
 
 def test_a_decode_step_where_no_window_closes_copies_nothing_in(meta_model) -> None:

@@ -291,11 +291,11 @@ def on_run(prompt):
 
 def cached_rows(model, name: str) -> list[torch.Tensor]:
     """Every filled row of the cache layers whose prefix ends with `name`, per layer."""
-    from ds4_vllm.model.cache_layers import Ds4CacheLayer
+    from ds4_vllm.model.paged_state import PagedState
 
     rows = []
     for layer in model.modules():
-        if isinstance(layer, Ds4CacheLayer) and layer.prefix.endswith(name):
+        if isinstance(layer, PagedState) and layer.prefix.endswith(name):
             flat = layer.kv_cache[1:].flatten(0, 2)  # block 0 is never used
             rows.append(flat[flat.abs().sum(-1) > 0])
     return rows

@@ -14,10 +14,8 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from ds4_vllm.model.config import Ds4Config, to_transformers_config
-from ds4_vllm.model.quant.modules import QuantLinear
 from ds4_vllm.model.weight_loader import CheckpointLoader
 
 SMALL = dict(
@@ -37,20 +35,6 @@ SMALL = dict(
     sliding_window=16,
     num_hash_layers=2,
 )
-
-
-class _Holder(nn.Module):
-    """Ds4ForCausalLM's parameter tree (`model.*`, `lm_head`) without an engine."""
-
-    def __init__(self, config: Ds4Config) -> None:
-        super().__init__()
-        from vllm.config import VllmConfig, set_current_vllm_config
-
-        from ds4_vllm.model.model import Ds4Model
-
-        with set_current_vllm_config(VllmConfig()):
-            self.model = Ds4Model(config, "model", torch.float32)
-        self.lm_head = QuantLinear(config.hidden_size, config.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +87,10 @@ def _expected(model) -> dict[str, torch.Tensor]:
 
 
 def _load(config, weights):
-    holder = _Holder(config)
+    """The model core (`Ds4CausalLM`: `model.*`, `lm_head`, no engine) loaded from `weights`."""
+    from ds4_vllm.model.core import Ds4CausalLM
+
+    holder = Ds4CausalLM(config, torch.float32)
     loaded = CheckpointLoader(holder, torch.float32).load(weights)
     return holder, loaded
 
