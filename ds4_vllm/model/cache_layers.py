@@ -53,6 +53,8 @@ class Ds4CacheMetadataBuilder(AttentionMetadataBuilder[Ds4CacheMetadata]):
     def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # vLLM's host bound on the sequence lengths is exact unless drafts are speculated.
+        self.host_seq_lens_exact = vllm_config.speculative_config is None
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -62,10 +64,17 @@ class Ds4CacheMetadataBuilder(AttentionMetadataBuilder[Ds4CacheMetadata]):
             block_table=cam.block_table_tensor,
             block_size=self.block_size,
             query_start_loc=cam.query_start_loc_cpu,
-            seq_lens=cam.seq_lens.cpu(),
+            seq_lens=self._host_seq_lens(cam),
             num_reqs=cam.num_reqs,
             query_start_loc_device=cam.query_start_loc,
         )
+
+    def _host_seq_lens(self, cam: CommonAttentionMetadata) -> torch.Tensor:
+        """The sequence lengths on the host: vLLM's host copy where it is exact, else read back
+        from the device (a host sync per group and step)."""
+        if self.host_seq_lens_exact and cam.seq_lens_cpu_upper_bound is not None:
+            return cam.seq_lens_cpu_upper_bound[: cam.num_reqs].clone()  # vLLM reuses its buffer
+        return cam.seq_lens[: cam.num_reqs].cpu()
 
 
 class Ds4CacheLayer(PagedState, AttentionLayerBase):
