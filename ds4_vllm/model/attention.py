@@ -144,9 +144,10 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [queries, k], valid [queries, k]): the compressed rows each query attends to.
 
-        ``keys`` are this request's indexer rows 0..count-1 (float32), read once per step.
+        ``keys`` are this request's indexer rows 0..count-1 (float32, [count, d]), read once per
+        step, or each query's own ([queries, count, d], a decode step of several requests).
         """
-        count = keys.shape[0]
+        count = keys.shape[-2]
         q = self.q_b_proj(q_res).view(-1, self.n_heads, self.head_dim)
         q = self.rope(q, positions)
         if self.official_numerics:
@@ -154,7 +155,8 @@ class Indexer(nn.Module):
         q = q.float()
         # [t, h, c] scores, then the weighted sum over heads as one batched matmul: in place, so
         # the largest tensor of a long prefill is written once and read twice.
-        scores = torch.einsum("thd,cd->thc", q, keys).relu_().mul_(self.head_dim**-0.5)
+        pattern = "thd,cd->thc" if keys.dim() == 2 else "thd,tcd->thc"
+        scores = torch.einsum(pattern, q, keys).relu_().mul_(self.head_dim**-0.5)
         weights = self.scorer.weights_proj(y).float() * self.n_heads**-0.5
         scores = torch.bmm(weights.unsqueeze(1), scores).squeeze(1)
         visible = torch.arange(count, device=y.device)[None, :] < ((positions + 1) // 4)[:, None]
@@ -298,6 +300,8 @@ class Ds4Attention(nn.Module):
             if self.ratio == 4:
                 self.compressor.indexer.compressor.update(y, positions, plan, metadata)
 
+        if plan.is_decode:
+            return self._attend_decode(q, q_res, y, positions, swa_meta, metadata, plan)
         out = torch.empty_like(q)
         for request, queries, first_pos, seq_len in plan.requests():
             # Compressed rows (and indexer rows) are read once per request and step, not per block.
@@ -325,6 +329,51 @@ class Ds4Attention(nn.Module):
                     index_keys,
                 )
         return out
+
+    def _attend_decode(
+        self, q, q_res, y, positions, swa_meta, metadata: dict, plan: BatchPlan
+    ) -> torch.Tensor:
+        """A step where every request has one query: all requests at once, no loop over them.
+
+        Each query's keys are its raw window (``window`` rows ending at its position; rows before
+        position 0 are masked) and its compressed rows: on ratio-128 layers rows 0..n-1 of the
+        longest request in the step (rows past a request's own count are masked and zeroed:
+        they may hold anything), on ratio-4 layers only the rows its indexer picks. The host
+        knows the step's shapes from the plan; the device is never asked for a value.
+        """
+        n = q.shape[0]
+        req = plan.token_req
+        key_pos = positions[:, None] + torch.arange(1 - self.window, 1, device=q.device)[None, :]
+        in_window = key_pos >= 0
+        keys = self.swa_cache.read(swa_meta, req[:, None].expand_as(key_pos), key_pos.clamp(min=0)).float()
+        qf = q.float()
+        scale = self.head_dim**-0.5
+        logits = torch.einsum("thd,tkd->thk", qf, keys) * scale
+        logits = logits.masked_fill(~in_window[:, None, :], NEG_INF)
+        count = max(plan.seq_len) // self.ratio if self.compressor is not None else 0
+        comp = None
+        if count:
+            visible = torch.arange(count, device=q.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
+            rows_req = req[:, None].expand(n, count)
+            starts = (torch.arange(count, device=q.device) * self.ratio)[None, :].expand(n, count)
+            if self.ratio == 4:
+                indexer = self.compressor.indexer
+                index_meta = metadata[indexer.compressor.kv_cache.prefix]
+                index_keys = indexer.compressor.kv_cache.read(index_meta, rows_req, starts).float()
+                index_keys = index_keys.masked_fill(~visible[..., None], 0.0)
+                indices, visible = indexer.select(q_res, y, positions, index_keys)
+                rows_req, starts = req[:, None].expand_as(indices), indices * self.ratio
+            comp_meta = metadata[self.compressor.kv_cache.prefix]
+            comp = self.compressor.kv_cache.read(comp_meta, rows_req, starts).float()
+            comp = comp.masked_fill(~visible[..., None], 0.0)
+            comp_logits = torch.einsum("thd,tkd->thk", qf, comp) * scale
+            logits = torch.cat([logits, comp_logits.masked_fill(~visible[:, None, :], NEG_INF)], dim=-1)
+        sinks = self.sinks.float().view(1, -1, 1).expand(n, -1, 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)
+        out = torch.einsum("thk,tkd->thd", probs[..., : self.window], keys)
+        if comp is not None:
+            out = out + torch.einsum("thk,tkd->thd", probs[..., self.window : -1], comp)
+        return out.to(q.dtype)
 
     def _attend_block(
         self, q, q_res, y, q_pos, request, first_pos, end_pos, swa_meta, comp_keys, index_keys

@@ -84,6 +84,10 @@ class BatchPlan:
         self.num_tokens = query_start_loc[-1]
         self.pos_start = [s - (e - b) for s, b, e in zip(seq_lens, self.q_start, self.q_end, strict=True)]
         self._closing: dict[int, torch.Tensor | None] = {}
+        #: Every request has exactly one token this step (a decode step): attention runs batched.
+        self.is_decode = bool(seq_lens) and all(
+            e - b == 1 for b, e in zip(self.q_start, self.q_end, strict=True)
+        )
         #: The request of each token, on the device the step's tensors index it with (the
         #: block table's: on CUDA, a CPU index into GPU rows failed). From the device copy of
         #: the query starts when there is one: a search on the device, nothing copied in.
