@@ -8,8 +8,8 @@ Writes ``model_scaling.json`` and ``model_scaling_prefill.png`` (a slice: ``mode
 engine part only) into ``--results-dir``
 (default ``benchmarks/results/<YYYY-MM-DD>/``). The report builder calls `run` directly.
 
-- **Prefill scaling**: the model run directly (no engine: paged caches and metadata built by
-  hand, as in tests/model/direct_model.py), in steps of ``CHUNK`` tokens as vLLM's scheduler
+- **Prefill scaling**: the model run directly (no engine: paged caches and metadata made
+  by `ds4_vllm.model.paged_run.PagedRun`), in steps of ``CHUNK`` tokens as vLLM's scheduler
   chunks a prefill (``max_num_batched_tokens`` = 2,048 in the benchmarks). Median of
   ``repeats`` runs per length, next to `arithmetic.prefill_flops` with the same chunking; the
   8k→32k (quick: 2k→8k) time ratio is reported next to the predicted FLOP ratio.
@@ -105,29 +105,13 @@ def build_direct_model(model: str) -> tuple[Any, Any]:
 
 def chunked_prefill(net: Any, token_ids: Any, chunk: int = CHUNK) -> Any:
     """Final hidden state of the last token after prefilling ``token_ids`` in steps of ``chunk``."""
-    import torch
+    from ds4_vllm.model.paged_run import PagedRun
 
-    from ds4_vllm.model.paged_state import Ds4CacheMetadata, PagedState
-    from tests.model.direct_model import bind_caches
-
-    n = int(token_ids.shape[0])
-    bind_caches(net, n)  # zeroed caches for the whole prompt, blocks 1.. in order
-    layers = [m for m in net.modules() if isinstance(m, PagedState)]
+    ids = token_ids.tolist()
+    run = PagedRun(net, len(ids), 1, "cpu")  # zeroed caches for the whole prompt
     hidden = None
-    with torch.no_grad():
-        for start in range(0, n, chunk):
-            end = min(n, start + chunk)
-            metadata = {
-                layer.prefix: Ds4CacheMetadata(
-                    block_table=torch.arange(1, layer.kv_cache.shape[0], dtype=torch.int32)[None],
-                    block_size=layer.state.block_size,
-                    query_start_loc=torch.tensor([0, end - start]),
-                    seq_lens=torch.tensor([end]),
-                    num_reqs=1,
-                )
-                for layer in layers
-            }
-            hidden = net.model(token_ids[start:end], torch.arange(start, end), None, metadata)
+    for start in range(0, len(ids), chunk):
+        hidden = run.hidden([ids[start : start + chunk]], [0])
     return hidden[-1]
 
 

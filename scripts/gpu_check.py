@@ -13,8 +13,10 @@ Prints a goal table (and writes `gpu_check.json` into `--out`):
   1. float32 on the device against the CPU reference (goal: max |diff| <= 1e-5); bf16 on the
      device against the reference, next to bf16 on the CPU against it (goal: not worse);
   2. host syncs of a decode step (`torch.cuda.set_sync_debug_mode`), each with its line;
-  3. a batch-1 decode step captured in a CUDA graph and replayed, against eager;
-  4. ms per decode step at batch 1 and 8 (eager, graphed) and kernel launches per step;
+  3. decode steps captured in CUDA graphs (batch 1 and the whole batch, `StaticDecode`) and
+     replayed, full and padded as vLLM pads, against eager steps of the same tokens;
+  4. ms per decode step at batch 1 and 8 (eager, graphed), kernel launches per step, and the
+     batch's throughput over batch 1's;
   5. one request's state gathered into a `.kv` file and scattered back into other blocks, bit
      for bit, and decoding from it equal to decoding cold.
 Exits 0 with "no GPU" where CUDA is absent; 1 when a correctness goal (1, 5) fails.
@@ -41,9 +43,10 @@ from ds4_vllm.kvc import KvcHeader, PayloadData, PayloadHeader, SaveReason, open
 from ds4_vllm.model.core import Ds4CausalLM  # noqa: E402
 from ds4_vllm.model.default_model import default_config, default_model_dir  # noqa: E402
 from ds4_vllm.model.kv_layout import Ds4KVLayout  # noqa: E402
-from ds4_vllm.model.paged_state import Ds4CacheMetadata, PagedState  # noqa: E402
+from ds4_vllm.model.paged_run import PagedRun, StaticDecode  # noqa: E402
 
 MAX_FP32_DIFF = 1e-5
+GRAPHED = "graphed"
 
 
 def build(dtype: torch.dtype, device: str) -> Ds4CausalLM:
@@ -54,80 +57,6 @@ def build(dtype: torch.dtype, device: str) -> Ds4CausalLM:
         model = Ds4CausalLM(default_config(), dtype)
     model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
     return model.eval()
-
-
-class PagedRun:
-    """Requests over paged states of one model: caches, block tables, and each step's metadata.
-
-    Request r owns blocks ``first_block + r * width ...`` of every group (block 0 stays unused, as
-    vLLM's null block); ``first_block`` lets a second run place the same request elsewhere.
-    """
-
-    def __init__(self, model: Ds4CausalLM, capacity: int, requests: int, device: str, first_block: int = 1):
-        self.model, self.device = model, device
-        self.states = [m for m in model.modules() if isinstance(m, PagedState)]
-        self.groups: dict[str, list[PagedState]] = {}
-        for state in self.states:
-            self.groups.setdefault(repr(state.state), []).append(state)
-        self.tables: dict[str, torch.Tensor] = {}
-        for key, states in self.groups.items():
-            spec = states[0].state
-            width = -(-capacity // spec.block_size)
-            blocks = first_block + requests * width
-            for state in states:
-                state.kv_cache = torch.zeros(
-                    blocks,
-                    1,
-                    spec.block_size // spec.tokens_per_row,
-                    spec.head_size,
-                    dtype=spec.dtype,
-                    device=device,
-                )
-            ids = first_block + torch.arange(requests * width, dtype=torch.int32).view(requests, width)
-            self.tables[key] = ids.to(device)
-        self.caches = {s.prefix: s.kv_cache for s in self.states}
-        self.seq_lens = [0] * requests
-
-    def block_ids(self, request: int) -> list[list[int]]:
-        """The request's block ids per group, in the group order `role_of` numbers them."""
-        return [self.tables[key][request].tolist() for key in self.groups]
-
-    def role_of(self, name: str) -> tuple[int, int]:
-        for group, (_key, states) in enumerate(self.groups.items()):
-            if any(s.prefix == name for s in states):
-                return group, states[0].state.block_size
-        raise KeyError(name)
-
-    def step(self, tokens: list[list[int]], requests: list[int]) -> torch.Tensor:
-        """Run one step: `tokens[i]` are request `requests[i]`'s new tokens. Logits of each one's last."""
-        for state in self.states:  # runs of one model take turns: bind this run's caches
-            state.kv_cache = self.caches[state.prefix]
-        starts = np.cumsum([0] + [len(t) for t in tokens]).tolist()
-        seq = [self.seq_lens[r] + len(t) for r, t in zip(requests, tokens, strict=True)]
-        positions = [
-            p
-            for r, t in zip(requests, tokens, strict=True)
-            for p in range(self.seq_lens[r], self.seq_lens[r] + len(t))
-        ]
-        rows = torch.tensor(requests, device=self.device)
-        metadata = {}
-        for key, states in self.groups.items():
-            meta = Ds4CacheMetadata(
-                block_table=self.tables[key].index_select(0, rows),
-                block_size=states[0].state.block_size,
-                query_start_loc=torch.tensor(starts),
-                seq_lens=torch.tensor(seq),
-                num_reqs=len(requests),
-                query_start_loc_device=torch.tensor(starts, dtype=torch.int32, device=self.device),
-            )
-            metadata |= {s.prefix: meta for s in states}
-        ids = torch.tensor([t for ts in tokens for t in ts], device=self.device)
-        with torch.no_grad():
-            hidden = self.model.model(ids, torch.tensor(positions, device=self.device), None, metadata)
-            logits = self.model.compute_logits(hidden[torch.tensor(starts[1:], device=self.device) - 1])
-        for r, s in zip(requests, seq, strict=True):
-            self.seq_lens[r] = s
-        return logits.float()
 
 
 @dataclass
@@ -144,11 +73,26 @@ class Results:
     host_sync_sites: list[str] = field(default_factory=list)
     sync_error: str | None = None
     graph_capture: str = "n/a"
-    graph_replay_equals_eager: bool | None = None
+    graph_replay_max_abs_diff: float | None = None
     ms_per_step: dict[str, float] = field(default_factory=dict)
     launches_per_step: dict[str, int] = field(default_factory=dict)
     kv_round_trip_bit_exact: bool | None = None
     restored_decode_equals_cold: bool | None = None
+
+    @property
+    def graphed_batch1_ms(self) -> float | None:
+        return self.ms_per_step.get(f"batch 1, bf16, {GRAPHED}")
+
+    @property
+    def batch_throughput_ratio(self) -> float | None:
+        """Tokens/s of the largest graphed batch over batch 1's."""
+        graphed = {
+            int(k.split()[1].rstrip(",")): v for k, v in self.ms_per_step.items() if k.endswith(GRAPHED)
+        }
+        if 1 not in graphed or len(graphed) < 2:
+            return None
+        n = max(graphed)
+        return (n / graphed[n]) / (1 / graphed[1])
 
     @property
     def correct(self) -> bool:
@@ -159,6 +103,10 @@ class Results:
             and self.bf16_device_p99_abs_diff <= self.bf16_cpu_max_abs_diff,
             self.kv_round_trip_bit_exact is True,
             self.restored_decode_equals_cold is True,
+            # a replay reads what an eager step reads; only kernel choices may differ (bf16 noise)
+            self.graph_replay_max_abs_diff is not None
+            and self.bf16_cpu_max_abs_diff is not None
+            and self.graph_replay_max_abs_diff <= self.bf16_cpu_max_abs_diff,
         ]
         return all(checks)
 
@@ -183,25 +131,25 @@ def max_and_p99(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, fl
     return float(diff.max()), float(torch.quantile(diff[:: max(1, diff.numel() // 1_000_000)], 0.99))
 
 
-def timed_steps(run: PagedRun, requests: list[int], steps: int, device: str) -> float:
-    """Median ms of `steps` decode steps of `requests` (feeding token 1000)."""
+def timed_median(step, steps: int, device: str) -> float:
+    """Median ms of `steps` calls of `step`."""
     times = []
     for _ in range(steps):
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        run.step([[1000] for _ in requests], requests)
+        step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 
-def count_launches(run: PagedRun, requests: list[int]) -> int:
+def count_launches(step) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run.step([[1000] for _ in requests], requests)
+        step()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
@@ -229,30 +177,47 @@ def host_syncs(run: PagedRun, results: Results) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
-def graph_capture(run: PagedRun, results: Results) -> None:
-    """Capture one batch-1 decode step in a CUDA graph; its replay against the eager result."""
-    seq = run.seq_lens[0]
+def graph_replays(model, device, batch_prompts, capacity, results: Results, timed: int) -> None:
+    """Decode steps captured in CUDA graphs (batch 1 and the whole batch, `StaticDecode`) and
+    replayed: against eager steps of the same tokens (a full batch, and a few requests padded to
+    the batch as vLLM pads), then timed."""
+    batch = len(batch_prompts)
+    requests = list(range(batch))
+    run = PagedRun(model, capacity, batch, device, static_seq_len=True)
+    run.step(batch_prompts, requests)
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run.seq_lens[0] = seq
-            run.step([[1000]], [0])  # warm-up on a side stream, as CUDA graphs need
-        torch.cuda.current_stream().wait_stream(side)
-        run.seq_lens[0] = seq
-        eager = run.step([[1000]], [0])
-        graph = torch.cuda.CUDAGraph()
-        run.seq_lens[0] = seq
-        with torch.cuda.graph(graph):
-            captured = run.step([[1000]], [0])
-        graph.replay()
-        torch.cuda.synchronize()
-        results.graph_capture = "captured"
-        results.graph_replay_equals_eager = bool(torch.equal(captured, eager))
+        graphs = {1: StaticDecode(run, 1), batch: StaticDecode(run, batch)}
+        results.graph_capture = (
+            "captured"
+            if graphs[1].graph is not None
+            else "not captured (no CUDA): eager over the same buffers"
+        )
     except Exception as exc:  # the table says why it failed
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "ds4_vllm" in f.filename]
         where = f"{frames[-1].filename.split('ds4_vllm/')[-1]}:{frames[-1].lineno}" if frames else "?"
         results.graph_capture = f"failed at {where}: {type(exc).__name__}: {str(exc)[:200]}"
+        return
+    diffs = []
+    for graph, chosen in (
+        (graphs[batch], requests),
+        (graphs[batch], requests[: max(1, batch // 2)]),
+        (graphs[1], [0]),
+    ):
+        tokens = [1000 + r for r in chosen]
+        start = [run.seq_lens[r] for r in chosen]
+        eager = run.step([[t] for t in tokens], chosen)
+        for r, n in zip(chosen, start, strict=True):  # the same positions again: the same slots
+            run.seq_lens[r] = n
+        replayed = graph.step(tokens, chosen)
+        diffs.append(float((replayed - eager).abs().max()))
+    results.graph_replay_max_abs_diff = max(diffs)
+    for label, n in ((f"batch 1, bf16, {GRAPHED}", 1), (f"batch {batch}, bf16, {GRAPHED}", batch)):
+        step = lambda n=n: graphs[n].step([1000] * n, requests[:n])  # noqa: E731
+        for _ in range(3):
+            step()
+        results.ms_per_step[label] = timed_median(step, timed, device)
+        if device == "cuda":
+            results.launches_per_step[label] = count_launches(step)
 
 
 def kv_round_trip(model, device, prompt: list[int], results: Results, out: Path) -> None:
@@ -312,9 +277,14 @@ def table(r: Results) -> str:
         ),
         ("host syncs per batch-1 decode step", cell(r.host_syncs_per_decode_step), "0"),
         ("first sync (error mode)", cell(r.sync_error), "none"),
-        ("CUDA graph of a decode step", r.graph_capture, "captured"),
-        ("graph replay equals eager", cell(r.graph_replay_equals_eager), "yes"),
-        *((f"ms per step, {k}", cell(v), "batch 1 graphed <= 1 ms") for k, v in r.ms_per_step.items()),
+        ("CUDA graphs of decode steps (batch 1, whole batch)", r.graph_capture, "captured"),
+        ("replay (full and padded batches) vs eager, max abs diff", cell(r.graph_replay_max_abs_diff), "0"),
+        *((f"ms per step, {k}", cell(v), "") for k, v in r.ms_per_step.items()),
+        (
+            "batch-1 graphed step; batch-N throughput over batch 1",
+            f"{cell(r.graphed_batch1_ms)} ms; {cell(r.batch_throughput_ratio)}x",
+            "<= 1 ms (H200); >= 6x",
+        ),
         *((f"kernel launches per step, {k}", cell(v), "") for k, v in r.launches_per_step.items()),
         (".kv gather + scatter bit for bit", cell(r.kv_round_trip_bit_exact), "yes"),
         ("decoding from the restore equals cold", cell(r.restored_decode_equals_cold), "yes"),
@@ -373,20 +343,30 @@ def main(argv: list[str] | None = None) -> int:
         ("batch 1, bf16, eager", [0]),
         (f"batch {len(lengths)}, bf16, eager", list(range(len(lengths)))),
     ):
-        timed_steps(timing, requests, 3, device)  # warm-up
-        results.ms_per_step[label] = timed_steps(timing, requests, args.timed_steps, device)
+        step = lambda requests=requests: timing.step([[1000] for _ in requests], requests)  # noqa: E731
+        timed_median(step, 3, device)  # warm-up
+        results.ms_per_step[label] = timed_median(step, args.timed_steps, device)
         if device == "cuda":
-            results.launches_per_step[label] = count_launches(timing, requests)
+            results.launches_per_step[label] = count_launches(step)
     if device == "cuda":
         host_syncs(timing, results)
-        graph_capture(timing, results)
+    graph_replays(bf16_model, device, batch_prompts, capacity, results, args.timed_steps)
     kv_round_trip(bf16_model, device, batch_prompts[-1], results, args.out)
 
     text = table(results)
     print(text)
     (args.out / "gpu_check.md").write_text(text)
     (args.out / "gpu_check.json").write_text(
-        json.dumps(asdict(results) | {"correct": results.correct}, indent=1) + "\n"
+        json.dumps(
+            asdict(results)
+            | {
+                "correct": results.correct,
+                "graphed_batch1_ms": results.graphed_batch1_ms,
+                "batch_throughput_ratio": results.batch_throughput_ratio,
+            },
+            indent=1,
+        )
+        + "\n"
     )
     return 0 if results.correct else 1
 

@@ -73,12 +73,28 @@ class Compressor(nn.Module):
         gate = self.gate_proj(y) + self.position_bias[positions % self.ratio]
         self.state_cache.write(state_meta, plan.token_req, positions, torch.cat([kv, gate], dim=-1))
 
-        closing = plan.closing_tokens(self.ratio)
-        if closing is None:
+        if plan.is_decode:
+            # Every token pools a row and only those closing a window keep it: the same work and
+            # shapes every step, whichever positions close a window (a replayed CUDA graph).
+            closes = (positions + 1) % self.ratio == 0
+            self._pool(y, positions, plan.token_req, metadata, closes)
             return
-        last = positions[closing]
-        req = plan.token_req[closing]
-        offsets = torch.arange(self.window, device=positions.device) - self.window + 1
+        closing = plan.closing_tokens(self.ratio)
+        if closing is not None:
+            self._pool(y, positions[closing], plan.token_req[closing], metadata)
+
+    def _pool(
+        self,
+        y: torch.Tensor,
+        last: torch.Tensor,
+        req: torch.Tensor,
+        metadata: dict,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        """Pool the window ending at each position ``last`` of request ``req`` into its compressed
+        row; with ``keep``, only the rows where it is true are stored."""
+        state_meta: Ds4CacheMetadata = metadata[self.state_cache.prefix]
+        offsets = torch.arange(self.window, device=last.device) - self.window + 1
         window_pos = last[:, None] + offsets[None, :]
         rows = self.state_cache.read(state_meta, req[:, None].expand_as(window_pos), window_pos.clamp(min=0))
         rows = rows.float()
@@ -96,7 +112,12 @@ class Compressor(nn.Module):
         compressed = self.rope(self.kv_norm(pooled), first)
         if self.finish_row is not None:
             compressed = self.finish_row(compressed)
-        self.kv_cache.write(metadata[self.kv_cache.prefix], req, first, compressed)
+        if keep is None:
+            self.kv_cache.write(metadata[self.kv_cache.prefix], req, first, compressed)
+        else:
+            self.kv_cache.write_where(
+                metadata[self.kv_cache.prefix], req, first.clamp(min=0), compressed, keep
+            )
 
     def rows(self, metadata: dict, request: int, count: int, device) -> torch.Tensor:
         """Compressed rows 0..count-1 of one request."""
@@ -350,7 +371,7 @@ class Ds4Attention(nn.Module):
         scale = self.head_dim**-0.5
         logits = torch.einsum("thd,tkd->thk", qf, keys) * scale
         logits = logits.masked_fill(~in_window[:, None, :], NEG_INF)
-        count = max(plan.seq_len) // self.ratio if self.compressor is not None else 0
+        count = plan.key_len_bound // self.ratio if self.compressor is not None else 0
         comp = None
         if count:
             visible = torch.arange(count, device=q.device)[None, :] < ((positions + 1) // self.ratio)[:, None]

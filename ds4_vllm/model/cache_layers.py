@@ -11,9 +11,11 @@ from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config.compilation import CUDAGraphMode
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImplBase,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -50,11 +52,31 @@ class Ds4CacheBackend(AttentionBackend):
 
 
 class Ds4CacheMetadataBuilder(AttentionMetadataBuilder[Ds4CacheMetadata]):
+    """Decode steps (one token per request) can be replayed from full CUDA graphs: their shapes
+    depend only on the padded token count (`BatchPlan`), and padding writes to the null block."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
     def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
         # vLLM's host bound on the sequence lengths is exact unless drafts are speculated.
         self.host_seq_lens_exact = vllm_config.speculative_config is None
+        # Under full decode graphs every decode step gathers rows up to the context length.
+        graphs = vllm_config.compilation_config.cudagraph_mode
+        self.static_seq_len = (
+            vllm_config.model_config.max_model_len
+            if graphs is not None and graphs.decode_mode() == CUDAGraphMode.FULL
+            else None
+        )
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: KVCacheSpec) -> AttentionCGSupport:
+        """None with a KV connector: the ds4disk connector reads each step's hidden states from
+        the model's Python forward, which a replayed graph does not run."""
+        if vllm_config.kv_transfer_config is not None:
+            return AttentionCGSupport.NEVER
+        return cls._cudagraph_support
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -67,6 +89,8 @@ class Ds4CacheMetadataBuilder(AttentionMetadataBuilder[Ds4CacheMetadata]):
             seq_lens=self._host_seq_lens(cam),
             num_reqs=cam.num_reqs,
             query_start_loc_device=cam.query_start_loc,
+            num_tokens=cam.num_actual_tokens,
+            static_seq_len=self.static_seq_len if cam.max_query_len == 1 else None,
         )
 
     def _host_seq_lens(self, cam: CommonAttentionMetadata) -> torch.Tensor:

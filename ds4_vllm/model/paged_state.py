@@ -53,6 +53,13 @@ class Ds4CacheMetadata:
     #: vLLM's device copy of `query_start_loc`: the plan's per-token request ids are computed from
     #: it on the device (no host-made tensor to copy in each step). None: built from the host copy.
     query_start_loc_device: torch.Tensor | None = None
+    #: Tokens in the step's input, padding included (vLLM pads a batch to a CUDA graph's size);
+    #: None: exactly the requests' tokens.
+    num_tokens: int | None = None
+    #: A bound on every request's length that does not change from step to step (the model's
+    #: context length): decode steps then gather the same number of compressed rows every step,
+    #: as a replayed CUDA graph must. None: the longest request of this step.
+    static_seq_len: int | None = None
 
     @cached_property
     def plan(self) -> BatchPlan:
@@ -65,7 +72,17 @@ class Ds4CacheMetadata:
                 if self.query_start_loc_device is None
                 else self.query_start_loc_device[: self.num_reqs + 1]
             ),
+            num_tokens=self.num_tokens,
+            static_seq_len=self.static_seq_len,
         )
+
+    @cached_property
+    def request_blocks(self) -> torch.Tensor:
+        """The block table, one row per request, then a row of vLLM's null block (block 0) for
+        padding tokens: what they write lands where no request reads. Always there, so that a
+        graph captured without padding replays with it."""
+        table = self.block_table[: self.num_reqs]
+        return torch.cat([table, torch.zeros_like(table[:1])])
 
 
 class BatchPlan:
@@ -77,28 +94,38 @@ class BatchPlan:
         seq_lens: list[int],
         device: torch.device | str = "cpu",
         query_start_loc_device: torch.Tensor | None = None,
+        num_tokens: int | None = None,
+        static_seq_len: int | None = None,
     ) -> None:
         self.q_start = query_start_loc[:-1]
         self.q_end = query_start_loc[1:]
         self.seq_len = seq_lens
-        self.num_tokens = query_start_loc[-1]
+        self.num_tokens = query_start_loc[-1] if num_tokens is None else num_tokens
+        #: Tokens after the last request's (vLLM's padding to a CUDA graph's batch size).
+        self.padding_tokens = self.num_tokens - query_start_loc[-1]
         self.pos_start = [s - (e - b) for s, b, e in zip(seq_lens, self.q_start, self.q_end, strict=True)]
         self._closing: dict[int, torch.Tensor | None] = {}
-        #: Every request has exactly one token this step (a decode step): attention runs batched.
-        self.is_decode = bool(seq_lens) and all(
-            e - b == 1 for b, e in zip(self.q_start, self.q_end, strict=True)
+        #: No request has more than one token this step (vLLM's padding requests have none):
+        #: attention runs for all of them at once, and every shape is fixed by the token count.
+        self.is_decode = self.num_tokens > 0 and all(
+            e - b <= 1 for b, e in zip(self.q_start, self.q_end, strict=True)
         )
+        #: The bound decode steps size their compressed-row gathers by (see `Ds4CacheMetadata`).
+        self.key_len_bound = static_seq_len or max(seq_lens, default=0)
         #: The request of each token, on the device the step's tensors index it with (the
-        #: block table's: on CUDA, a CPU index into GPU rows failed). From the device copy of
-        #: the query starts when there is one: a search on the device, nothing copied in.
+        #: block table's: on CUDA, a CPU index into GPU rows failed); padding tokens get the
+        #: null row after the requests' (`Ds4CacheMetadata.request_blocks`). From the device
+        #: copy of the query starts when there is one: a search on the device, nothing copied in.
         if query_start_loc_device is not None:
             ends = query_start_loc_device[1:]
             tokens = torch.arange(self.num_tokens, device=ends.device, dtype=ends.dtype)
             self.token_req = torch.searchsorted(ends, tokens, right=True).to(device)
         else:
-            counts = torch.tensor([e - b for b, e in zip(self.q_start, self.q_end, strict=True)])
+            counts = torch.tensor(
+                [e - b for b, e in zip(self.q_start, self.q_end, strict=True)] + [self.padding_tokens]
+            )
             self.token_req = torch.repeat_interleave(
-                torch.arange(len(seq_lens)), counts, output_size=self.num_tokens
+                torch.arange(len(seq_lens) + 1), counts, output_size=self.num_tokens
             ).to(device)
 
     def closing_tokens(self, ratio: int) -> torch.Tensor | None:
@@ -106,7 +133,7 @@ class BatchPlan:
         ``ratio``, (p + 1) % ratio == 0, in order, on the plan's device; None if no token does.
 
         Known on the host from the plan, so nothing is read back from the device: one small copy
-        in per ratio and step, none in a decode step where no window closes.
+        in per ratio and step with a prefill (decode steps test each token on the device).
         """
         if ratio not in self._closing:
             out: list[int] = []
@@ -161,8 +188,10 @@ class PagedState(nn.Module):
 
     def _slots(self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor):
         bs = meta.block_size
-        table = meta.block_table
-        blocks = table[req.to(table.device), (token_pos // bs).to(table.device)].long()
+        table = meta.request_blocks
+        # Clamped: vLLM leaves stale positions in a padded batch's padding tokens.
+        index = (token_pos // bs).clamp(max=table.shape[1] - 1)
+        blocks = table[req.to(table.device), index.to(table.device)].long()
         states = ((token_pos % bs) // self.tokens_per_row).to(blocks.device)
         return blocks, states
 
@@ -174,6 +203,20 @@ class PagedState(nn.Module):
             return
         blocks, states = self._slots(meta, req, token_pos)
         self.kv_cache[blocks, 0, states] = rows.to(self.kv_cache.dtype)
+
+    def write_where(
+        self,
+        meta: Ds4CacheMetadata,
+        req: torch.Tensor,
+        token_pos: torch.Tensor,
+        rows: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> None:
+        """`write` of the rows where ``keep`` is true; the other slots keep what they hold. The
+        same ops whatever ``keep`` says: nothing is asked of the device."""
+        blocks, states = self._slots(meta, req, token_pos)
+        old = self.kv_cache[blocks, 0, states]
+        self.kv_cache[blocks, 0, states] = torch.where(keep[:, None], rows.to(old.dtype), old)
 
     def read(self, meta: Ds4CacheMetadata, req: torch.Tensor, token_pos: torch.Tensor) -> torch.Tensor:
         """Rows stored for tokens ``token_pos`` (any shape) of requests ``req`` (same shape)."""

@@ -6,7 +6,8 @@ whose output shape depends on values (`nonzero`, `bincount`, `masked_select`, `u
 of Python data makes a host tensor that the step then copies to the device. On a CPU nothing
 waits, so these calls are counted by a `TorchFunctionMode` instead, each with its call site in
 `ds4_vllm`. Tensors that live on the host in vLLM's metadata too (`query_start_loc_cpu`) are
-passed as `host` and not counted.
+passed as `host` and not counted; or, for a model on another device (`meta`), only reads of that
+device's tensors count.
 """
 
 from __future__ import annotations
@@ -57,13 +58,20 @@ def _site() -> str:
 class HostSyncCounter(TorchFunctionMode):
     """Records each would-be GPU sync as (kind, call site); `counts` sums them per site."""
 
-    def __init__(self, host: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, host: Iterable[torch.Tensor] = (), device: str | None = None) -> None:
         super().__init__()
         self.host = {t.untyped_storage().data_ptr() for t in host}
+        self.device = device
         self.events: list[tuple[str, str]] = []
 
     def _on_device(self, value: object) -> bool:
-        return isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.host
+        """A tensor the step keeps on its device: with ``device``, any tensor there; else any
+        tensor but the ``host`` ones."""
+        if not isinstance(value, torch.Tensor):
+            return False
+        if self.device is not None:
+            return value.device.type == self.device
+        return value.untyped_storage().data_ptr() not in self.host
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

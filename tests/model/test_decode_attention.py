@@ -24,7 +24,7 @@ def model():
 
 
 def decode_hidden(model, lengths: list[int], batched: bool) -> torch.Tensor:
-    metadata = decode_metadata(model, lengths)
+    metadata = decode_metadata(model, lengths, "cpu")
     g = torch.Generator().manual_seed(5)
     for state in (m for m in model.modules() if isinstance(m, PagedState)):
         state.kv_cache.copy_(torch.randn(state.kv_cache.shape, generator=g))

@@ -27,7 +27,7 @@ def meta_model():
 
 
 def decode_step(model, prompt_lengths: list[int]) -> tuple[torch.Tensor, HostSyncCounter]:
-    metadata = decode_metadata(model, prompt_lengths, device="meta")
+    metadata = decode_metadata(model, prompt_lengths, "meta")
     host = [t for m in metadata.values() for t in (m.query_start_loc, m.seq_lens)]
     ids = torch.zeros(len(prompt_lengths), dtype=torch.int64, device="meta")
     positions = torch.tensor(prompt_lengths, device="meta")
@@ -41,14 +41,6 @@ def test_a_decode_step_reads_nothing_back_from_the_device(meta_model, batch: int
     lengths = [PROMPT + 4 * 37 * i for i in range(batch)]  # every request closes a window of 4
     logits, counter = decode_step(meta_model, lengths)
     assert logits.device.type == "meta" and tuple(logits.shape) == (batch, 129280)
-    reads = [event for event in counter.events if not event[0].startswith("host-made")]
-    assert reads == []
-    # The only tensors made on the host are the closing tokens' indices, one per window ratio
-    # (4 and 128: the first request's token closes both), copied in once for the step's layers.
-    sites = {site.rsplit(":", 1)[0] for _, site in counter.events}
-    assert len(counter.events) == 2 and sites == {"ds4_vllm/model/paged_state.py"}
-
-
-def test_a_decode_step_where_no_window_closes_copies_nothing_in(meta_model) -> None:
-    _, counter = decode_step(meta_model, [PROMPT - 1, PROMPT + 1])
-    assert counter.events == []
+    # Nothing read back and nothing made from host data, also where tokens close windows of 4
+    # and 128 (the first request's closes both): decode steps pool rows on the device.
+    assert counter.events == [], counter.counts
