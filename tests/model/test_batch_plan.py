@@ -39,3 +39,61 @@ def test_the_builder_takes_the_sequence_lengths_from_vllms_host_copy() -> None:
     speculating = SimpleNamespace(host_seq_lens_exact=False)
     drafts = SimpleNamespace(num_reqs=2, seq_lens=torch.tensor([6, 3, 0]), seq_lens_cpu_upper_bound=host)
     assert Ds4CacheMetadataBuilder._host_seq_lens(speculating, drafts).tolist() == [6, 3]
+
+
+def test_padding_tokens_get_the_null_row_and_decode_shapes_can_be_fixed() -> None:
+    """vLLM pads a batch for a CUDA graph with requests of no tokens and tokens after the last
+    request's: those tokens must address the null block (a row of block 0 after the requests'),
+    from the host copy and from the device copy of the query starts alike."""
+    starts, seq_lens = [0, 1, 2, 2], [5, 9, 0]  # two requests, one padding request
+    on_host = BatchPlan(starts, seq_lens, num_tokens=4)
+    on_device = BatchPlan(
+        starts, seq_lens, num_tokens=4, query_start_loc_device=torch.tensor(starts, dtype=torch.int32)
+    )
+    assert on_host.token_req.tolist() == on_device.token_req.tolist() == [0, 1, 3, 3]
+    assert on_host.padding_tokens == 2 and on_host.is_decode
+    assert on_host.key_len_bound == 9  # eager: the longest request
+    assert BatchPlan(starts, seq_lens, static_seq_len=4096).key_len_bound == 4096
+    assert not BatchPlan([0, 2, 3], [7, 3]).is_decode
+    metadata = Ds4CacheMetadata(
+        block_table=torch.tensor([[4, 5], [6, 7], [0, 0]], dtype=torch.int32),
+        block_size=64,
+        query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor(seq_lens),
+        num_reqs=3,
+        num_tokens=4,
+    )
+    assert metadata.request_blocks.tolist() == [[4, 5], [6, 7], [0, 0], [0, 0]]
+
+
+def test_the_builder_offers_full_decode_graphs_without_a_connector() -> None:
+    """vLLM asks each builder which CUDA graphs it can replay. Uniform decode steps, unless a KV
+    connector reads each step's hidden states from the Python forward (ds4disk); under full
+    decode graphs decode metadata is sized by the context length."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from ds4_vllm.model.cache_layers import Ds4CacheMetadataBuilder
+
+    spec = SimpleNamespace(block_size=64)
+
+    def config(mode: CUDAGraphMode, connector=None):
+        return SimpleNamespace(
+            kv_transfer_config=connector,
+            speculative_config=None,
+            compilation_config=SimpleNamespace(cudagraph_mode=mode),
+            model_config=SimpleNamespace(max_model_len=4096),
+        )
+
+    plain = config(CUDAGraphMode.FULL_AND_PIECEWISE)
+    support = Ds4CacheMetadataBuilder.get_cudagraph_support
+    assert support(plain, spec) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert support(config(CUDAGraphMode.FULL_AND_PIECEWISE, object()), spec) == AttentionCGSupport.NEVER
+    graphs = Ds4CacheMetadataBuilder(spec, ["a"], plain, "cpu")
+    assert graphs.static_seq_len == 4096
+    eager = Ds4CacheMetadataBuilder(spec, ["a"], config(CUDAGraphMode.NONE), "cpu")
+    assert eager.static_seq_len is None
+    piecewise = Ds4CacheMetadataBuilder(spec, ["a"], config(CUDAGraphMode.PIECEWISE), "cpu")
+    assert piecewise.static_seq_len is None
