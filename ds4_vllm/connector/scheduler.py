@@ -244,8 +244,10 @@ class Ds4DiskScheduler:
         if state is None or state.traced:
             return
         prompt = state.request.prompt_token_ids or []
+        outcome = self.lookups.get(req_id, (0, None))[1]
+        shared = self.token_text.line_prefix(prompt, outcome.shared_bytes) if outcome else 0
         state.planned = plan_prefill_saves(
-            self.options, prompt, cached_tokens, self.user_id, self.assistant_id
+            self.options, prompt, cached_tokens, self.user_id, self.assistant_id, shared
         )
         if not state.decision:
             state.decision = CacheDecision(len(prompt), self.lookups.get(req_id, (0, None))[0])

@@ -69,6 +69,23 @@ class TokenText:
             return b"".join(map(pieces.__getitem__, token_ids))
         return b"".join(pieces[t] if 0 <= t < len(pieces) else b"" for t in token_ids)
 
+    def line_prefix(self, token_ids: Sequence[int], n_bytes: int) -> int:
+        """The most tokens of `token_ids` whose text ends a line within the first `n_bytes` bytes
+        (or, with no line end there, whose text fits in them). A prompt that shares `n_bytes` of
+        text with another is cut where the tokenizer splits both alike: at a line end, not inside
+        the word where they part."""
+        pieces = self.pieces
+        size, fits, line = 0, 0, 0
+        for i, t in enumerate(token_ids):
+            piece = pieces[t] if 0 <= t < len(pieces) else b""
+            size += len(piece)
+            if size > n_bytes:
+                break
+            fits = i + 1
+            if piece.endswith(b"\n"):
+                line = fits
+        return line or fits
+
     def token_id(self, content: str) -> int | None:
         return self.special.get(content)
 

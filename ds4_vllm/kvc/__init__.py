@@ -41,6 +41,7 @@ from .file import (
 )
 from .header import KvcHeader
 from .index import CheckpointIndex, IndexEntry, LookupResult, RefreshStats
+from .lookup import common_prefix
 from .payload import LayerArrays, Payload, PayloadData
 from .payload_layout import (
     DS4_FLASH,
@@ -63,6 +64,7 @@ __all__ = [
     "KvcHeader",
     "LayerArrays",
     "LookupResult",
+    "common_prefix",
     "ModelDims",
     "Payload",
     "PayloadData",

@@ -75,6 +75,8 @@ class LookupResult:
     diverge_at: byte offset where the prompt and `nearest`'s text first differ (== the
         entry's text length when its whole text is a prefix of the prompt).
     nearest_skip: why `nearest` was not usable when its whole text matched (filter reason).
+    shared_bytes: how many leading bytes of the prompt some entry's text shares with it, hit
+        or miss (0 when not explained): past the hit, where known prompts and this one part.
     candidates / hashed_lengths / skipped (counted on first use, from the entries the lookup
     saw, so a lookup does not walk the whole index): entries that passed the filters, their
     distinct text lengths, and how many entries each filter removed.
@@ -85,6 +87,7 @@ class LookupResult:
     nearest: IndexEntry | None = None
     diverge_at: int | None = None
     nearest_skip: str | None = None
+    shared_bytes: int = 0
     count: Callable[[], LookupTally] | None = dataclasses.field(default=None, repr=False, compare=False)
     _tally: LookupTally | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -139,17 +142,21 @@ def lookup(table: EntryTable, prompt: bytes, flt: LookupFilter, *, explain: bool
         best = hashed
     snapshot = table.snapshot()
     result = LookupResult(best, len(prompt), count=lambda: _tally(snapshot, len(prompt), flt))
-    if best is not None or not explain:
+    if not explain or (best is not None and not table.trust_text):  # a hit walks no texts
         return result
     found = _nearest_sorted(table, prompt) if table.trust_text else _nearest_walk(table, prompt)
     if found is None:
         return result
     nearest, common = found
+    result = dataclasses.replace(result, shared_bytes=common)
+    if best is not None:
+        return result
     skip = flt.skip_reason(nearest, len(prompt)) if common == nearest.text_bytes else None
     return dataclasses.replace(result, nearest=nearest, diverge_at=common, nearest_skip=skip)
 
 
-def _common_prefix(a: bytes, b: bytes) -> int:
+def common_prefix(a: bytes, b: bytes) -> int:
+    """How many leading bytes `a` and `b` share."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
@@ -187,7 +194,7 @@ def _longest_text_prefix(table: EntryTable, prompt: bytes, flt: LookupFilter) ->
                 return None
             probe_len = len(text) - 1
         else:
-            probe_len = _common_prefix(prompt, text)
+            probe_len = common_prefix(prompt, text)
         hi = bisect.bisect_right(texts, prompt[:probe_len], 0, hi - 1)
     return None
 
@@ -236,7 +243,7 @@ def _nearest_walk(table: EntryTable, prompt: bytes) -> tuple[IndexEntry, int] | 
     for entry in table.values():
         if entry.text is None:
             continue
-        common = _common_prefix(prompt, entry.text)
+        common = common_prefix(prompt, entry.text)
         rank = (common, common == entry.text_bytes, entry.header.tokens)
         if nearest is None or rank > (best_common, best_common == nearest.text_bytes, nearest.header.tokens):
             nearest, best_common = entry, common
@@ -254,7 +261,7 @@ def _nearest_sorted(table: EntryTable, prompt: bytes) -> tuple[IndexEntry, int] 
     if not texts:
         return None
     at = bisect.bisect_left(texts, prompt)
-    common = max(_common_prefix(prompt, texts[j]) for j in (at - 1, at) if 0 <= j < len(texts))
+    common = max(common_prefix(prompt, texts[j]) for j in (at - 1, at) if 0 <= j < len(texts))
     head = prompt[:common]
     lo = bisect.bisect_left(texts, head)
     if texts[lo] == head:

@@ -9,6 +9,7 @@ is moved to `quarantine/` so it is never chosen again.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -190,7 +191,8 @@ class Catalog:
                 exclude=self._set_aside_paths(),
             )
             if result.hit is None:
-                return None, set_aside or LookupOutcome(False, miss_reason(result, len(self._index)))
+                miss = set_aside or LookupOutcome(False, miss_reason(result, len(self._index)))
+                return None, dataclasses.replace(miss, shared_bytes=result.shared_bytes)
             outcome = self._match_tokens(result.hit, prompt_tokens, min_tokens)
             if (
                 outcome is not None
@@ -202,6 +204,7 @@ class Catalog:
                 set_aside = set_aside or outcome
                 continue
             if outcome is not None:
+                outcome = dataclasses.replace(outcome, shared_bytes=result.shared_bytes)
                 return (outcome if outcome.hit else None), outcome
             self.refresh(force=True)  # quarantined or vanished: try the next one
         return None, LookupOutcome(False, "corrupt or vanishing files; gave up")

@@ -207,6 +207,7 @@ class CheckpointStore:
             quant_bits=quant_bits,
             reject_different_quant=self.options.reject_different_quant,
         )
+        shared = max(fallback.shared_bytes, self._pending.shared_prefix(prompt_text))
         pending = self._pending.longest_prefix_write(prompt_text, self.options.min_tokens)
         if pending is not None and (found is None or pending.ticket.text_bytes > found.text_bytes):
             ticket = pending.ticket
@@ -223,8 +224,8 @@ class CheckpointStore:
                 in_flight=True,
             )
             if outcome.hit or found is None:
-                return outcome
-        return found if found is not None else fallback
+                return dataclasses.replace(outcome, shared_bytes=shared)
+        return dataclasses.replace(found if found is not None else fallback, shared_bytes=shared)
 
     def pin(self, path: str) -> None:
         """Keep `path` from eviction and nested-file removal until `unpin` (a load is pending).

@@ -103,13 +103,13 @@ class Janitor:
         """Delete this conversation's older files that the new one makes redundant.
 
         Rule: an older file goes when (1) this store wrote it for the same conversation key,
-        (2) its text is a byte prefix of the new text, (3) it is not a `cold` file, (4) its
-        header still says 0 hits, and (5) it is not pinned. Why: a conversation's next turn
-        extends its latest text, so lookups pick the longest file and the shorter one only
-        competes for budget (users saw five nested files of one prompt evicting each other).
-        Cold files are kept because their purpose is to be shared by other conversations with
-        the same tools/system prompt; a file with hits was useful to someone else; files of
-        other writers are never touched.
+        (2) its text is a byte prefix of the new text, (3) it is not a `cold` or `agent-system`
+        file, (4) its header still says 0 hits, and (5) it is not pinned. Why: a conversation's
+        next turn extends its latest text, so lookups pick the longest file and the shorter one
+        only competes for budget (users saw five nested files of one prompt evicting each other).
+        Cold and agent-system files are kept because their purpose is to be shared by other
+        conversations with the same tools/system prompt; a file with hits was useful to someone
+        else; files of other writers are never touched.
         """
         if key is None or key not in self._written:
             return []
@@ -118,7 +118,7 @@ class Janitor:
         for w in self._written[key]:
             nested = (
                 w.path != new_path
-                and w.reason != SaveReason.COLD
+                and w.reason not in (SaveReason.COLD, SaveReason.AGENT_SYSTEM)
                 and w.text_bytes < len(text)
                 and text_sha1(text[: w.text_bytes]) == w.sha1
                 and w.path not in pinned

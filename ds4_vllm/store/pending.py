@@ -12,6 +12,8 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 
+from ds4_vllm.kvc import common_prefix
+
 from .records import WriteTicket
 
 
@@ -57,6 +59,10 @@ class PendingFiles:
     @property
     def writes(self) -> list[InFlightWrite]:
         return list(self._writes.values())
+
+    def shared_prefix(self, prompt_text: bytes) -> int:
+        """The most leading bytes of `prompt_text` an in-flight write's text shares with it."""
+        return max((common_prefix(prompt_text, w.text) for w in self._writes.values()), default=0)
 
     def longest_prefix_write(self, prompt_text: bytes, min_tokens: int) -> InFlightWrite | None:
         """The in-flight write with the longest text that is a byte prefix of `prompt_text`."""

@@ -14,6 +14,10 @@ keeps one `last_stored` per request:
 
 A request that reused tokens (from vLLM's memory or from disk) gets no cold save, exactly
 as in ds4; its `last_stored` starts at the reused count.
+
+Beyond ds4: a prompt whose set-up (tools, system prompt) parts from a known prompt's late, past
+what it could reuse, is saved where they part (`divergence_save`, reason `agent-system`), so the
+next prompt sharing that prefix (an agent started in a third folder) reuses it.
 """
 
 from __future__ import annotations
@@ -94,19 +98,45 @@ def continued_due(options: StoreOptions, live_tokens: int, last_stored: int) -> 
     )
 
 
+#: A divergence save must let the next prompt reuse at least this many more tokens.
+DIVERGENCE_MIN_GAIN = 512
+
+
+def divergence_save(
+    options: StoreOptions,
+    prompt_tokens: Sequence[int],
+    shared_tokens: int,
+    cached_tokens: int,
+    user_token_id: int,
+    assistant_token_id: int,
+) -> SaveDecision | None:
+    """An `agent-system` save at `shared_tokens`, the prompt's tokens whose text a known
+    checkpoint's text shares, when that lies inside the shared set-up (at or before the chat
+    anchor: tools, system prompt, earlier turns) and at least DIVERGENCE_MIN_GAIN tokens past
+    what this prompt reused. A later divergence (an answer re-rendered another way) is left to
+    the conversation's own saves: no other prompt shares that prefix."""
+    if shared_tokens < max(options.min_tokens, cached_tokens + DIVERGENCE_MIN_GAIN):
+        return None
+    if shared_tokens > chat_anchor(prompt_tokens, user_token_id, assistant_token_id):
+        return None
+    return SaveDecision(shared_tokens, SaveReason.AGENT_SYSTEM)
+
+
 def plan_prefill_saves(
     options: StoreOptions,
     prompt_tokens: Sequence[int],
     cached_tokens: int,
     user_token_id: int,
     assistant_token_id: int,
+    shared_tokens: int = 0,
 ) -> list[SaveDecision]:
     """The positions at which a request's prefill must be checkpointed, in order.
 
     `cached_tokens` is what was reused (vLLM memory or disk); 0 means a cold prompt. Gives
     the cold point (cached == 0 and min <= len <= cold_max) and every continued step
     multiple m with cached < m <= len and m >= min. A cold point on a continued multiple is
-    saved once, as cold (ds4 marks that frontier as already stored).
+    saved once, as cold (ds4 marks that frontier as already stored). `shared_tokens`: where
+    the prompt parts from the known prompt it shares most with (`divergence_save`).
     """
     n = len(prompt_tokens)
     saves: dict[int, SaveReason] = {}
@@ -120,6 +150,11 @@ def plan_prefill_saves(
         cold = cold_store_len(options, prompt_tokens, user_token_id, assistant_token_id)
         if cold is not None and cold > 0:
             saves[cold] = SaveReason.COLD
+    anchor = divergence_save(
+        options, prompt_tokens, shared_tokens, cached_tokens, user_token_id, assistant_token_id
+    )
+    if anchor is not None:
+        saves.setdefault(anchor.tokens, anchor.reason)
     return [SaveDecision(pos, reason) for pos, reason in sorted(saves.items())]
 
 

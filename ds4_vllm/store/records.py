@@ -37,7 +37,8 @@ class LookupOutcome:
     ("token mismatch at token N"). `in_flight` hits name a checkpoint whose write has been
     handed to the worker but not yet reported done: the worker restores it from its copy in
     memory, or from the file once written. `tokens_digest` lets the loader check that what it
-    opens is what the lookup chose.
+    opens is what the lookup chose. `shared_bytes`: how many leading bytes of the prompt's
+    text a known checkpoint's text shares with it, hit or miss (where they part).
     """
 
     hit: bool
@@ -51,6 +52,7 @@ class LookupOutcome:
     quant_bits: int = 0
     in_flight: bool = False
     tokens_digest: str | None = dataclasses.field(default=None, repr=False)
+    shared_bytes: int = 0
 
     def file_path(self) -> str:
         """The checkpoint a hit names (pinned, loaded, reported); a miss names none."""

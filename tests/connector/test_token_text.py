@@ -80,3 +80,20 @@ def test_ids_outside_the_vocabulary_add_nothing(token_text) -> None:
     user = token_text.token_id("<｜User｜>")
     assert token_text.text([user, -1, len(token_text.pieces), user]) == "<｜User｜><｜User｜>".encode()
     assert token_text.text([]) == b""
+
+
+def test_a_shared_prefix_is_cut_at_a_line_end(token_text, tokenizer_dir) -> None:
+    """Issue 21: two prompts that part inside a word tokenize that word apart; the save where
+    they part ends at the last line end before it, where both tokenize alike."""
+    from tokenizers import Tokenizer
+
+    encode = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode
+    a = "Rules.\nAlways test.\nWorking directory: /home/u/alpha-service\nMore.\n"
+    b = a.replace("alpha-service", "beta-service")
+    ids_a, ids_b = encode(a, add_special_tokens=False).ids, encode(b, add_special_tokens=False).ids
+    shared = next(i for i, (x, y) in enumerate(zip(a.encode(), b.encode(), strict=False)) if x != y)
+    cut = token_text.line_prefix(ids_a, shared)
+    assert token_text.text(ids_a[:cut]) == b"Rules.\nAlways test.\n"
+    assert ids_a[:cut] == ids_b[:cut]
+    # no line end in the first 3 bytes: the tokens that fit in them
+    assert len(token_text.text(ids_a[: token_text.line_prefix(ids_a, 3)])) <= 3

@@ -58,6 +58,22 @@ def test_no_entry_and_divergence_reasons(tmp_path: Path) -> None:
     assert not out.hit and out.reason.startswith("text diverges at byte 20 from the nearest entry")
 
 
+def test_lookups_say_how_much_text_a_known_checkpoint_shares(tmp_path: Path) -> None:
+    """Issue 21: where a prompt parts from the known checkpoint it agrees with longest, on a hit
+    (past the hit) and on a miss, counting checkpoints still being written."""
+    store = open_store(tmp_path)
+    shared = toks(30)
+    put(tmp_path, shared[:10])  # a short prefix both prompts have
+    put(tmp_path, shared + toks(10, start=50))  # another folder's prompt: parts at token 30
+    mine = shared + toks(10, start=20)
+    out = lookup(store, mine)
+    assert out.hit and out.entry_tokens == 10 and out.shared_bytes == 60  # 2 bytes per token
+    assert lookup(store, toks(30, start=5)).shared_bytes == 0
+    ticket = store.admit(text_of(toks(40, start=3)), toks(40, start=3), header(40), 4096)
+    assert ticket is not None
+    assert lookup(store, toks(25, start=3) + toks(5)).shared_bytes == 50  # the write in flight
+
+
 @pytest.mark.parametrize(
     ("file_kw", "lookup_kw", "store_kw", "reason"),
     [

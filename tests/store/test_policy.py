@@ -11,6 +11,7 @@ from ds4_vllm.store.policy import (
     chat_anchor,
     cold_store_len,
     continued_due,
+    divergence_save,
     finished_save,
     plan_prefill_saves,
     store_len,
@@ -152,3 +153,19 @@ def test_plan_prefill_saves_uses_chat_anchor() -> None:
 )
 def test_finished_save(total: int, last: int, shutdown: bool, expected: SaveDecision | None) -> None:
     assert finished_save(D, total, last, shutdown=shutdown) == expected
+
+
+def test_divergence_saves_where_the_set_up_parts_from_a_known_prompt() -> None:
+    """Issue 21: a prompt whose system prompt parts from a known one late (a folder's path) is
+    saved where they part, as `agent-system`, so that the next folder reuses that far."""
+    prompt = [7] * 9000 + [U] + [8] * 50 + [A]  # tools + system, then the user's message
+    anchor = SaveDecision(6000, SaveReason.AGENT_SYSTEM)
+    assert divergence_save(D, prompt, 6000, 0, U, A) == anchor
+    assert divergence_save(D, prompt, 6000, 5400, U, A) == anchor  # gains 600 tokens
+    assert divergence_save(D, prompt, 6000, 5600, U, A) is None  # gains under 512 tokens
+    assert divergence_save(D, prompt, 400, 0, U, A) is None  # under --kv-cache-min-tokens
+    assert divergence_save(D, prompt, 9020, 0, U, A) is None  # after the chat anchor: a turn's own
+    plan = plan_prefill_saves(D, prompt, 0, U, A, shared_tokens=6000)
+    assert plan == [anchor, SaveDecision(9000, COLD)]  # with the cold save at the chat anchor
+    on_continued = plan_prefill_saves(D, [7] * 20_000 + [U, A], 0, U, A, shared_tokens=10240)
+    assert SaveDecision(10240, CONT) in on_continued  # one file per point; ds4's reason wins
