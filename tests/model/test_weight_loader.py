@@ -186,24 +186,44 @@ def test_bad_checkpoints_name_the_tensor(reference, edit, message) -> None:
     assert message in str(err.value)
 
 
-def test_every_weight_lands_on_the_device_the_model_was_built_on() -> None:
+def _checkpoint(kind: str, tmp_path) -> tuple:
+    """(config, weights) of the tiny default in one of the formats users have."""
+    from ds4_vllm.model.default_model import default_config, default_model_dir
+
+    if kind == "safetensors":
+        return default_config(), load_file(str(default_model_dir() / "model.safetensors")).items()
+    if kind == "gguf-q2":
+        from ds4_vllm.model.gguf_file import Ds4GgufFile
+        from ds4_vllm.model.tiny_gguf import tiny_gguf_file
+
+        gguf = Ds4GgufFile.open(tiny_gguf_file("ds4-tiny-q2"))
+        return gguf.config(), gguf.tensors()
+    from ds4_vllm.model.config_parser import Ds4ConfigParser
+    from tests.model.quantized_checkpoints import write_official_checkpoint
+
+    official = write_official_checkpoint(tmp_path / "official", default_model_dir())
+    _, config = Ds4ConfigParser().parse(official, trust_remote_code=False)
+    return config, load_file(str(official / "model.safetensors")).items()
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf-q2", "official"])
+def test_every_weight_lands_on_the_device_the_model_was_built_on(kind: str, tmp_path) -> None:
     """Issue 25: vLLM builds the model under its target device, then `load_weights` gets CPU
     tensors. 83 weights stayed on the CPU and a CUDA forward failed at the first projection.
-    Built under the meta device (standing in for CUDA on this machine) and loaded from the
-    default model's safetensors, every parameter, buffer and packed weight is on meta."""
+    Built under the meta device (standing in for CUDA on this machine) and loaded from each
+    weight format (transformers' safetensors, the engine's GGUF, the official FP8/MXFP4 release
+    form), every parameter, buffer and packed weight is on meta."""
     from types import SimpleNamespace
 
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from ds4_vllm.model.default_model import default_config, default_model_dir
     from ds4_vllm.model.model import Ds4ForCausalLM
 
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=default_config(), dtype=torch.bfloat16)
-    )
+    config, weights = _checkpoint(kind, tmp_path)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.bfloat16))
     with set_current_vllm_config(VllmConfig()), torch.device("meta"):
         model = Ds4ForCausalLM(vllm_config=vllm_config)
-    model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
+    model.load_weights(weights)
     placed = {name: t.device.type for name, t in [*model.named_parameters(), *model.named_buffers()]}
     assert placed and {name for name, device in placed.items() if device != "meta"} == set()
 
