@@ -36,6 +36,9 @@ DEFAULT_BOUNDARY_TRIM_TOKENS = 32
 #: KV_CACHE_DEFAULT_BOUNDARY_ALIGN_TOKENS: the prefill chunk (2048), so saved lengths fall on
 #: chunk boundaries and compressed rows are complete; 0 disables alignment.
 DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
+#: ds4-vllm's own: the least a divergence save (`agent-system`, where a prompt's set-up parts from
+#: a known prompt's) must add past what the prompt reused; 0 disables these saves (ds4's policy).
+DEFAULT_DIVERGENCE_TOKENS = 512
 #: Checkpoints copied out of the KV cache and waiting for the disk, in MiB of host memory; when
 #: the writer falls this far behind, engine steps wait for it (back-pressure) instead of
 #: dropping saves. ds4-vllm's own flag (ds4 writes synchronously), spelled like ds4's.
@@ -99,6 +102,7 @@ class StoreOptions:
     continued_interval_tokens: int = DEFAULT_CONTINUED_INTERVAL_TOKENS
     boundary_trim_tokens: int = DEFAULT_BOUNDARY_TRIM_TOKENS
     boundary_align_tokens: int = DEFAULT_BOUNDARY_ALIGN_TOKENS
+    divergence_tokens: int = DEFAULT_DIVERGENCE_TOKENS
     reject_different_quant: bool = False
     write_queue_mb: int = DEFAULT_WRITE_QUEUE_MB
     shared_models: bool = False
@@ -255,6 +259,7 @@ SETTINGS: dict[str, Setting] = {
     "kv_cache_continued_interval_tokens": Setting("continued_interval_tokens", int),
     "kv_cache_boundary_trim_tokens": Setting("boundary_trim_tokens", int),
     "kv_cache_boundary_align_tokens": Setting("boundary_align_tokens", int),
+    "kv_cache_divergence_tokens": Setting("divergence_tokens", int),
     "kv_cache_reject_different_quant": Setting("reject_different_quant", bool),
     "kv_write_queue_mb": Setting("write_queue_mb", int, minimum=1),
     "kv_cache_shared_models": Setting("shared_models", bool),

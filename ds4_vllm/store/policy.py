@@ -98,10 +98,6 @@ def continued_due(options: StoreOptions, live_tokens: int, last_stored: int) -> 
     )
 
 
-#: A divergence save must let the next prompt reuse at least this many more tokens.
-DIVERGENCE_MIN_GAIN = 512
-
-
 def divergence_save(
     options: StoreOptions,
     prompt_tokens: Sequence[int],
@@ -112,10 +108,11 @@ def divergence_save(
 ) -> SaveDecision | None:
     """An `agent-system` save at `shared_tokens`, the prompt's tokens whose text a known
     checkpoint's text shares, when that lies inside the shared set-up (at or before the chat
-    anchor: tools, system prompt, earlier turns) and at least DIVERGENCE_MIN_GAIN tokens past
+    anchor: tools, system prompt, earlier turns) and at least `divergence_tokens` (512) past
     what this prompt reused. A later divergence (an answer re-rendered another way) is left to
-    the conversation's own saves: no other prompt shares that prefix."""
-    if shared_tokens < max(options.min_tokens, cached_tokens + DIVERGENCE_MIN_GAIN):
+    the conversation's own saves: no other prompt shares that prefix. Off with 0."""
+    gain = options.divergence_tokens
+    if gain <= 0 or shared_tokens < max(options.min_tokens, cached_tokens + gain):
         return None
     if shared_tokens > chat_anchor(prompt_tokens, user_token_id, assistant_token_id):
         return None

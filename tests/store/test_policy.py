@@ -167,5 +167,7 @@ def test_divergence_saves_where_the_set_up_parts_from_a_known_prompt() -> None:
     assert divergence_save(D, prompt, 9020, 0, U, A) is None  # after the chat anchor: a turn's own
     plan = plan_prefill_saves(D, prompt, 0, U, A, shared_tokens=6000)
     assert plan == [anchor, SaveDecision(9000, COLD)]  # with the cold save at the chat anchor
+    off = StoreOptions(disk_dir="/unused", divergence_tokens=0)  # ds4's own policy
+    assert divergence_save(off, prompt, 6000, 0, U, A) is None
     on_continued = plan_prefill_saves(D, [7] * 20_000 + [U, A], 0, U, A, shared_tokens=10240)
     assert SaveDecision(10240, CONT) in on_continued  # one file per point; ds4's reason wins
