@@ -71,15 +71,26 @@ _WORDS = (
 ).split()
 
 
-def system_prompt(rules: int) -> str:
-    """The agent's stable system prompt: `rules` numbered rules (about 34 tokens each)."""
+#: Where a session's own lines sit in its system prompt (the `folders` scenario): after this
+#: share of the rules, as a coding agent puts its working directory late in its instructions.
+FOLDER_DEPTH = 0.85
+
+
+def system_prompt(rules: int, folder: str = "", status: str = "") -> str:
+    """The agent's system prompt: `rules` numbered rules (about 34 tokens each); with `folder`,
+    the session's working directory and `status` line late among them."""
+    lines = [
+        f"Rule {i}: when you change module number {i}, keep its public interface stable, run the tests "
+        "that cover it, and explain the change in one short paragraph.\n"
+        for i in range(rules)
+    ]
+    if folder:
+        lines.insert(
+            int(rules * FOLDER_DEPTH), f"Working directory: /home/user/projects/{folder}\nStatus: {status}\n"
+        )
     return (
         "You are a careful coding agent working in a large repository. Follow the rules below.\n"
-        + "".join(
-            f"Rule {i}: when you change module number {i}, keep its public interface stable, run the tests "
-            "that cover it, and explain the change in one short paragraph.\n"
-            for i in range(rules)
-        )
+        + "".join(lines)
     )
 
 
@@ -116,6 +127,10 @@ class TrafficConfig:
     large_result_bytes: tuple[int, int] = (10_000, 20_000)
     large_result_every: int = 30  # every n-th tool result is large (a whole file, a test log)
     max_tokens: int = 16
+    # The `folders` scenario (issue 21): each session works in its own folder, named late in its
+    # system prompt; sessions start one round apart (new folders); in the restart's round one
+    # session is retried in its folder with its status line changed (system text that moves).
+    folders: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +157,8 @@ class PlannedRequest:
     user: str | None = None
     calls: tuple[ToolCall, ...] = ()
     system: bool = True  # one-off prompts have no agent system prompt
+    folder: str = ""  # the `folders` scenario: the session's folder and status line
+    status: str = ""
 
     @property
     def new_bytes(self) -> int:
@@ -195,22 +212,31 @@ def plan_traffic(config: TrafficConfig) -> list[PlannedRequest]:
     }
     subagent: dict[str, Any] | None = None  # {"name", "parent", "left"}
     one_offs = 0
+    folder = {name: (name, "clean") for name in names} if config.folders else {}
+    retries: list[str] = []
     for round_no in range(1, config.rounds + 1):
         phase = 1 if 0 < config.restart_after_round < round_no else 0
         order = names[:]
+        if config.folders:  # a new folder each round; one session retried after the restart
+            if round_no == config.restart_after_round + 1:
+                retries.append(f"{names[0]}/retry")
+                folder[retries[0]] = (names[0], "2 files modified")
+                tasks[retries[0]] = tasks[names[0]]
+            order = names[:round_no] + retries
         p.rng.shuffle(order)
         for name in order:
+            where = dict(zip(("folder", "status"), folder.get(name, ("", "")), strict=True))
             if name not in p.turns:
-                p.add(phase, name, "main", user=tasks[name])
+                p.add(phase, name, "main", user=tasks[name], **where)
             elif subagent is not None and subagent["parent"] == name and subagent["left"] > 0:
                 continue  # the parent waits for its sub-agent
             elif subagent is not None and subagent["parent"] == name and subagent["left"] == 0:
                 report = file_text(p.rng, 1200, f"report of {subagent['name']}")
                 spawn = ToolCall(subagent["call_id"], "spawn_agent", {"task": subagent["task"]}, report)
-                p.add(phase, name, "main", calls=(spawn,))
+                p.add(phase, name, "main", calls=(spawn,), **where)
                 subagent["left"] = -1
             else:
-                p.add(phase, name, "main", calls=p.tool_calls(name))
+                p.add(phase, name, "main", calls=p.tool_calls(name), **where)
             if subagent is not None and subagent["left"] > 0 and subagent["parent"] != name:
                 # the sub-agent runs between its parent's siblings, one turn at a time
                 first = subagent["name"] not in p.turns
@@ -223,7 +249,8 @@ def plan_traffic(config: TrafficConfig) -> list[PlannedRequest]:
                 )
                 subagent["left"] -= 1
         if round_no == config.subagent_round and subagent is None:
-            parent = names[p.rng.randrange(len(names))]
+            started = min(len(names), round_no) if config.folders else len(names)
+            parent = names[p.rng.randrange(started)]
             p.call_count += 1
             subagent = {
                 "name": f"{parent}/sub",
@@ -277,7 +304,7 @@ class Conversations:
     """The client's message lists, built from the plan and the server's replies."""
 
     def __init__(self, config: TrafficConfig) -> None:
-        self.system = system_prompt(config.system_rules)
+        self.rules = config.system_rules
         self.histories: dict[str, list[dict[str, Any]]] = {}
         self.pending_reply: dict[str, str] = {}
 
@@ -286,7 +313,8 @@ class Conversations:
         results, the user message."""
         history = self.histories.get(request.conversation)
         if history is None:
-            history = [{"role": "system", "content": self.system}] if request.system else []
+            system = system_prompt(self.rules, request.folder, request.status)
+            history = [{"role": "system", "content": system}] if request.system else []
             self.histories[request.conversation] = history
         if request.turn > 1:
             reply = self.pending_reply.pop(request.conversation, "")

@@ -3,6 +3,7 @@
     python -m benchmarks.report quick    # 3 conversations, 4 rounds (35 min at load 50-80, 8 server starts)
     python -m benchmarks.report full     # 4 conversations, 24 rounds (107 requests per system)
     python -m benchmarks.report quick --systems ds4disk memory --no-parts
+    python -m benchmarks.report quick --scenario folders --no-parts   # sessions in their own folders
 
 Both write `benchmarks/results/<YYYY-MM-DD>/` (or `--out DIR`): `report.json` (every figure,
 every request), `report.md` (tables), `ttft_by_request.png`, `hit_rate.png`, and what the
@@ -47,6 +48,12 @@ QUICK = TrafficConfig(
     conversations=3, rounds=4, restart_after_round=2, subagent_round=1, subagent_turns=2, one_off_every=4
 )
 FULL = TrafficConfig()
+#: The set-ups each scenario compares: the folders one sets ds4disk beside its policy before
+#: divergence saves (issue 21) and vLLM's memory-only cache.
+DEFAULT_SYSTEMS = {
+    "agents": ["ds4disk", "memory", "single-session", "offloading"],
+    "folders": ["ds4disk", "ds4disk-ds4-policy", "memory"],
+}
 
 
 def run_parts(
@@ -128,11 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("quick", "full"))
     parser.add_argument(
-        "--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS)
-    )  # run in this order
+        "--systems", nargs="+", choices=list(SYSTEMS), help="run in this order (default: per scenario)"
+    )
     parser.add_argument("--no-parts", action="store_true", help="skip the optional parts")
     parser.add_argument("--out", type=Path, help="results folder (default results/<date>)")
     parser.add_argument("--seed", type=int, help="traffic seed (default 11)")
+    parser.add_argument(
+        "--scenario",
+        choices=("agents", "folders"),
+        default="agents",
+        help="folders: each session in its own folder, named late in its system prompt (issue 21)",
+    )
     parser.add_argument(
         "--work", type=Path, help="keep server logs and cache folders here (default: a temp dir)"
     )
@@ -145,13 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     config = QUICK if args.mode == "quick" else FULL
     if args.seed is not None:
         config = dataclasses.replace(config, seed=args.seed)
+    if args.scenario == "folders":
+        config = dataclasses.replace(config, folders=True)
+    systems = args.systems or DEFAULT_SYSTEMS[args.scenario]
     out = args.out or RESULTS_ROOT / datetime.date.today().isoformat()
     part_options = {"micro": {"restart_model": args.restart_model}} if args.restart_model else None
     report = run_report(
         out,
         config,
         mode=args.mode,
-        systems=args.systems,
+        systems=systems,
         parts=not args.no_parts,
         work=args.work,
         part_options=part_options,

@@ -61,6 +61,19 @@ SYSTEMS: dict[str, SystemSpec] = {
             "ds4disk connector + vLLM's in-memory prefix cache",
             lambda d: ["--kv-connector", "ds4disk", "--kv-disk-dir", str(d)],
         ),
+        SystemSpec(
+            "ds4disk-ds4-policy",
+            "ds4disk with ds4's save points only (--kv-cache-divergence-tokens 0: no agent-system "
+            "saves where a prompt's set-up parts from a known one's)",
+            lambda d: [
+                "--kv-connector",
+                "ds4disk",
+                "--kv-disk-dir",
+                str(d),
+                "--kv-cache-divergence-tokens",
+                "0",
+            ],
+        ),
         SystemSpec("memory", "vLLM's in-memory prefix cache only (no connector)", lambda d: []),
         SystemSpec(
             "single-session",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -64,6 +65,31 @@ def test_histories_hold_the_servers_reply_with_the_planned_calls() -> None:
     assert assistant["content"] == "Looking."
     assert [c["id"] for c in assistant["tool_calls"]] == [c.id for c in second.calls]
     assert [m["content"] for m in messages[3:]] == [c.result for c in second.calls]
+
+
+def test_the_folders_scenario_names_each_sessions_folder_late_in_its_system_prompt() -> None:
+    """Issue 21's scenario: sessions start one round apart, each in its own folder, named late in
+    its system prompt; after the restart one session is retried with its status line changed."""
+    config = dataclasses.replace(TINY, conversations=3, rounds=4, folders=True)
+    plan = plan_traffic(config)
+    firsts = {r.conversation: r for r in plan if r.turn == 1 and r.kind == "main"}
+    assert {n: (r.folder, r.status) for n, r in firsts.items()} == {
+        "agent-0": ("agent-0", "clean"),
+        "agent-1": ("agent-1", "clean"),
+        "agent-2": ("agent-2", "clean"),
+        "agent-0/retry": ("agent-0", "2 files modified"),
+    }
+    # a new folder each round, the retry after the restart
+    order = [r.conversation for r in plan if r.turn == 1 and r.kind == "main"]
+    assert order.index("agent-0") < order.index("agent-1") < order.index("agent-2")
+    assert firsts["agent-0/retry"].phase == 1
+    systems = {n: Conversations(config).messages(r)[0]["content"] for n, r in firsts.items()}
+    shared = len(os.path.commonprefix([systems["agent-0"], systems["agent-1"]]))
+    assert 0.8 < shared / len(systems["agent-0"]) < 0.9  # they part late, at the folder's line
+    assert systems["agent-0/retry"].index("Status") == systems["agent-0"].index("Status")
+    assert systems["agent-0/retry"] != systems["agent-0"]
+    # the default scenario is unchanged: one system prompt for every session
+    assert all(r.folder == "" for r in plan_traffic(TINY))
 
 
 def test_an_absent_part_is_skipped_with_a_note(tmp_path) -> None:
