@@ -37,7 +37,8 @@ DEFAULT_BOUNDARY_TRIM_TOKENS = 32
 #: chunk boundaries and compressed rows are complete; 0 disables alignment.
 DEFAULT_BOUNDARY_ALIGN_TOKENS = 2048
 #: ds4-vllm's own: the least a divergence save (`agent-system`, where a prompt's set-up parts from
-#: a known prompt's) must add past what the prompt reused; 0 disables these saves (ds4's policy).
+#: a known prompt's) must add past what the prompt reused; 0 disables every `agent-system` save,
+#: the set-up ladder included (ds4's policy).
 DEFAULT_DIVERGENCE_TOKENS = 512
 #: Checkpoints copied out of the KV cache and waiting for the disk, in MiB of host memory; when
 #: the writer falls this far behind, engine steps wait for it (back-pressure) instead of

@@ -15,9 +15,14 @@ keeps one `last_stored` per request:
 A request that reused tokens (from vLLM's memory or from disk) gets no cold save, exactly
 as in ds4; its `last_stored` starts at the reused count.
 
-Beyond ds4: a prompt whose set-up (tools, system prompt) parts from a known prompt's late, past
-what it could reuse, is saved where they part (`divergence_save`, reason `agent-system`), so the
-next prompt sharing that prefix (an agent started in a third folder) reuses it.
+Beyond ds4, `agent-system` saves (off with `--kv-cache-divergence-tokens 0`) for prompts that
+share a long set-up (tools, system prompt) and part late in it (a folder's path):
+- a prompt is also saved every `align` (2048) tokens of the set-up it did not reuse
+  (`setup_ladder`), so the first prompt that parts from it reuses all but at most 2048 tokens
+  of what they share;
+- a prompt that parts from a known prompt past what it could reuse is saved where they part
+  (`divergence_save`), so the next prompt sharing that prefix (an agent started in a third
+  folder) reuses all of it but the line where they part.
 """
 
 from __future__ import annotations
@@ -119,6 +124,26 @@ def divergence_save(
     return SaveDecision(shared_tokens, SaveReason.AGENT_SYSTEM)
 
 
+def setup_ladder(
+    options: StoreOptions,
+    prompt_tokens: Sequence[int],
+    cached_tokens: int,
+    user_token_id: int,
+    assistant_token_id: int,
+) -> list[SaveDecision]:
+    """`agent-system` saves every `align` tokens of the part of a prompt's set-up (before its
+    chat anchor) that it did not reuse, up to cold_max: a set-up seen for the first time (a new
+    tool set, a new folder's system prompt). A later turn of a conversation, which reuses its
+    whole set-up, gets none."""
+    align = options.boundary_align_tokens
+    if options.divergence_tokens <= 0 or align <= 0:
+        return []
+    anchor = chat_anchor(prompt_tokens, user_token_id, assistant_token_id)
+    first = max(cached_tokens // align + 1, -(-options.min_tokens // align)) * align
+    end = min(anchor, options.cold_max_tokens + 1)
+    return [SaveDecision(m, SaveReason.AGENT_SYSTEM) for m in range(first, end, align)]
+
+
 def plan_prefill_saves(
     options: StoreOptions,
     prompt_tokens: Sequence[int],
@@ -132,8 +157,9 @@ def plan_prefill_saves(
     `cached_tokens` is what was reused (vLLM memory or disk); 0 means a cold prompt. Gives
     the cold point (cached == 0 and min <= len <= cold_max) and every continued step
     multiple m with cached < m <= len and m >= min. A cold point on a continued multiple is
-    saved once, as cold (ds4 marks that frontier as already stored). `shared_tokens`: where
-    the prompt parts from the known prompt it shares most with (`divergence_save`).
+    saved once, as cold (ds4 marks that frontier as already stored). The ladder over the
+    set-up it did not reuse (`setup_ladder`) is added; `shared_tokens`: where the prompt parts
+    from the known prompt it shares most with (`divergence_save`).
     """
     n = len(prompt_tokens)
     saves: dict[int, SaveReason] = {}
@@ -147,6 +173,8 @@ def plan_prefill_saves(
         cold = cold_store_len(options, prompt_tokens, user_token_id, assistant_token_id)
         if cold is not None and cold > 0:
             saves[cold] = SaveReason.COLD
+    for rung in setup_ladder(options, prompt_tokens, cached_tokens, user_token_id, assistant_token_id):
+        saves.setdefault(rung.tokens, rung.reason)
     anchor = divergence_save(
         options, prompt_tokens, shared_tokens, cached_tokens, user_token_id, assistant_token_id
     )

@@ -8,9 +8,10 @@ their own path in it, late, at three depths: one on a 2,048-token boundary's far
 request, against the token where its prompt parts from the others (from the prompt ids the
 server returns).
 
-Folder 1 is cold. Folder 2 reuses what folder 1 left (the chat anchor lies after the path, so
-that is the aligned `continued` point, if any) and is saved where it parts from folder 1 (an
-`agent-system` checkpoint). Folder 3 must reuse all but at most 512 tokens of the shared prefix.
+Folder 1 is cold: besides ds4's cold save at its chat anchor (after the path) it is saved every
+2,048 tokens of its set-up. Folder 2, the first to part from it, must reuse all but at most 2,048
+tokens of what they share, and is saved where they part when that adds 512 tokens or more (both
+`agent-system` checkpoints). Folder 3 must reuse all but at most 512 tokens of it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.e2e.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
+GOAL_SECOND = 2048  # tokens of the shared prefix the first folder to part may recompute
 GOAL_THIRD = 512  # tokens of the shared prefix a third folder may recompute
 LINE = "- When asked to {verb} a file, read it first, keep its style, and report what changed {n}.\n"
 VERBS = ["edit", "review", "rename", "test", "format", "document", "split", "merge"]
@@ -86,6 +88,14 @@ def shared_tokens(runs: list[dict]) -> int:
     """Tokens all folders' prompts share (where the first two part)."""
     a, b = runs[0]["prompt_ids"], runs[1]["prompt_ids"]
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+
+
+@pytest.mark.parametrize("depth", list(DEPTHS))
+def test_the_second_folder_reuses_all_but_2048_tokens_of_the_shared_prefix(folders, depth) -> None:
+    runs = folders[depth]
+    shared = shared_tokens(runs)
+    second = runs[1]
+    assert shared - GOAL_SECOND <= second["cached"] <= shared, (depth, shared, second["cached"])
 
 
 @pytest.mark.parametrize("depth", list(DEPTHS))

@@ -165,9 +165,33 @@ def test_divergence_saves_where_the_set_up_parts_from_a_known_prompt() -> None:
     assert divergence_save(D, prompt, 6000, 5600, U, A) is None  # gains under 512 tokens
     assert divergence_save(D, prompt, 400, 0, U, A) is None  # under --kv-cache-min-tokens
     assert divergence_save(D, prompt, 9020, 0, U, A) is None  # after the chat anchor: a turn's own
-    plan = plan_prefill_saves(D, prompt, 0, U, A, shared_tokens=6000)
-    assert plan == [anchor, SaveDecision(9000, COLD)]  # with the cold save at the chat anchor
+    plan = plan_prefill_saves(D, prompt, 8500, U, A, shared_tokens=9020)
+    assert plan == []  # reused past its last rung, parts after the chat anchor: nothing
     off = StoreOptions(disk_dir="/unused", divergence_tokens=0)  # ds4's own policy
     assert divergence_save(off, prompt, 6000, 0, U, A) is None
+    assert plan_prefill_saves(off, prompt, 0, U, A, shared_tokens=6000) == [SaveDecision(9000, COLD)]
     on_continued = plan_prefill_saves(D, [7] * 20_000 + [U, A], 0, U, A, shared_tokens=10240)
     assert SaveDecision(10240, CONT) in on_continued  # one file per point; ds4's reason wins
+
+
+def test_a_new_set_up_is_saved_every_2048_tokens() -> None:
+    """Issue 21: the first prompt that parts from another late in their shared set-up reuses
+    all but at most 2048 tokens of it: a prompt leaves an `agent-system` file every 2048 tokens
+    of the set-up it did not reuse (before its chat anchor), besides ds4's cold save there."""
+    prompt = [7] * 9000 + [U] + [8] * 50 + [A]
+    rungs = [SaveDecision(m, SaveReason.AGENT_SYSTEM) for m in (2048, 4096, 6144, 8192)]
+    assert plan_prefill_saves(D, prompt, 0, U, A) == [*rungs, SaveDecision(9000, COLD)]
+    assert plan_prefill_saves(D, prompt, 0, U, A, shared_tokens=6000) == sorted(
+        [*rungs, SaveDecision(6000, SaveReason.AGENT_SYSTEM), SaveDecision(9000, COLD)]
+    )
+    # a new folder that reused 4500 tokens of another's set-up: rungs for the rest of it
+    assert plan_prefill_saves(D, prompt, 4500, U, A) == rungs[2:]
+    # a later turn, which reuses its whole set-up: none
+    assert plan_prefill_saves(D, prompt + [9] * 3000, 9060, U, A) == [SaveDecision(10240, CONT)]
+    # bounded: no rung past cold_max (30000), so at most cold_max / 2048 files per set-up; a
+    # rung on a continued point is saved once, as continued
+    long_set_up = plan_prefill_saves(D, [7] * 40_000 + [U, A], 0, U, A)
+    continued = [SaveDecision(m, CONT) for m in (10240, 20480, 30720)]
+    ladder = [SaveDecision(m, SaveReason.AGENT_SYSTEM) for m in range(2048, 30001, 2048) if m % 10240]
+    assert long_set_up == sorted(continued + ladder)
+    assert plan_prefill_saves(D, [7] * 3000 + [8] * 2000, 0, U, A) == [SaveDecision(4096, COLD)]  # no set-up
