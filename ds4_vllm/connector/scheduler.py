@@ -256,6 +256,7 @@ class Ds4DiskScheduler:
             vllm_cached_tokens=max(0, cached_tokens - state.decision.disk_cached_tokens)
             if state.decision.disk_cached_tokens
             else cached_tokens,
+            shared_tokens=shared,
             planned_saves=tuple(state.planned),
         )
         state.traced = True

@@ -15,6 +15,7 @@ Block format (one `key: value` per line; values never contain a newline, they ar
     disk_entry_tokens: <tokens in that file> (disk hit only)
     disk_cache_in_flight: true              (the hit's write had not finished: served from memory)
     disk_miss_reason: <why disk gave nothing or less than the file holds>
+    shared_tokens: <tokens of the prompt a known checkpoint's text shares>  (when it shares any)
     planned_saves: cold@2048 continued@10240 (or "none")
 
 Other events are single lines: `--- trace: <message> ---`. Blocks end with a blank line.
@@ -58,6 +59,9 @@ class CacheDecision:
     disk_entry_tokens: int | None = None
     disk_miss_reason: str | None = None
     disk_in_flight: bool = False
+    #: Tokens of the prompt whose text a known checkpoint's text shares (cut at a line end):
+    #: where the prompt parts from the nearest known one, also past a hit.
+    shared_tokens: int = 0
     planned_saves: tuple[SaveDecision, ...] = ()
 
     @property
@@ -85,6 +89,8 @@ class CacheDecision:
             fields["disk_cache_in_flight"] = "true"
         if self.disk_miss_reason:
             fields["disk_miss_reason"] = self.disk_miss_reason
+        if self.shared_tokens:
+            fields["shared_tokens"] = self.shared_tokens
         fields["planned_saves"] = " ".join(map(str, self.planned_saves)) or "none"
         return fields
 

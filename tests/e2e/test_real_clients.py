@@ -225,3 +225,45 @@ def test_claude_code_exits_0_on_every_turn(claude_session) -> None:
 
 def test_claude_code_turns_reuse_their_prompt_and_the_restart_reads_disk(claude_session) -> None:
     assert_reuse(claude_session)
+
+
+#: Issue 21's goals: the first folder to part from another reuses all but 2,048 tokens of what
+#: they share, the third all but 512.
+GOAL_SECOND, GOAL_THIRD = 2048, 512
+
+
+@pytest.fixture(scope="module")
+def claude_folders(tmp_path_factory) -> list[dict[str, str]]:
+    """Claude Code's first turn in three project folders on one server: its system prompt names
+    the folder (working directory, project memory path). The server's trace block of each."""
+    tmp = tmp_path_factory.mktemp("claude-folders")
+    trace = tmp / "trace.txt"
+    server = serve(tmp / "kv", tmp / "serve.log", trace, [])
+    blocks = []
+    try:
+        for name in ("alpha-service", "beta-service", "gamma-service"):
+            folder = tmp / "projects" / name
+            folder.mkdir(parents=True)
+            seen = len(trace_decisions(trace)) if trace.exists() else 0
+            done = claude_turn(server.base_url, folder, "Say hello.", first=True, home=tmp / "home")
+            assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
+            blocks += trace_decisions(trace)[seen:]
+    finally:
+        server.stop()
+    print(
+        "claude folders: "
+        + "; ".join(
+            f"{b['cached_tokens']}/{b['prompt_tokens']} shared {b.get('shared_tokens', 0)}" for b in blocks
+        )
+    )
+    return blocks
+
+
+def test_claude_code_in_a_new_folder_reuses_what_it_shares_with_the_others(claude_folders) -> None:
+    """`shared_tokens`: the prompt's tokens a known checkpoint's text shares (up to the last
+    line end before they part)."""
+    assert len(claude_folders) == 3, claude_folders  # one request per folder
+    second, third = claude_folders[1], claude_folders[2]
+    for block, goal in ((second, GOAL_SECOND), (third, GOAL_THIRD)):
+        shared, cached = int(block["shared_tokens"]), int(block["cached_tokens"])
+        assert shared - goal <= cached <= int(block["prompt_tokens"]), block

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from ds4_vllm.kvc import checkpoint_file_size, payload_size
+from ds4_vllm.store.local_fs import LocalFS
 from tests.store.crash_workload import (
     CONVERSATIONS,
     check_every_file,
@@ -196,10 +197,12 @@ def run_shared_directory(directory: Path, processes: int, seconds: float, seed: 
     directory.mkdir(parents=True, exist_ok=True)
     counts: collections.Counter = collections.Counter()
     running = [start_workload(directory, seed + i) for i in range(processes)]
+    budget_lock = LocalFS(directory).budget_lock()
     peak_kv = peak_total = samples = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        kv, total = kv_bytes(directory)
+        with budget_lock:  # a scan between two admissions: no eviction or admission mid-scan
+            kv, total = kv_bytes(directory)
         peak_kv, peak_total, samples = max(peak_kv, kv), max(peak_total, total), samples + 1
         for _, fd in running:
             read_events(fd, counts)

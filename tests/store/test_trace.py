@@ -22,6 +22,7 @@ def test_block_format(tmp_path: Path) -> None:
                 disk_cached_tokens=4096,
                 disk_file="/c/ab.kv",
                 disk_entry_tokens=4096,
+                shared_tokens=4500,
                 planned_saves=(SaveDecision(10240, SaveReason.CONTINUED),),
             ),
             extra={"kind": "chat"},
@@ -35,7 +36,9 @@ def test_block_format(tmp_path: Path) -> None:
     assert fields["cache_source"] == "disk" and fields["cached_tokens"] == "4096"
     assert fields["disk_cache_file"] == "/c/ab.kv" and fields["planned_saves"] == "continued@10240"
     assert fields["kind"] == "chat" and fields["prompt_tokens"] == "5000"
+    assert fields["shared_tokens"] == "4500"  # where it parts from the nearest known prompt
     text = path.read_text()
+    assert text.count("shared_tokens") == 1  # only where a known checkpoint shares some text
     assert "cache_source: none" in text and "planned_saves: none" in text
     assert "disk_miss_reason: text diverges at byte 7\\nfrom x" in text  # one line per field
     assert lines[-1] == "--- trace: stored tokens=4096 file=/c/ab.kv ---"
