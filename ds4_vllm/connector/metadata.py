@@ -48,14 +48,30 @@ class SaveJob:
     block_ids: BlockIds
     after_finish: bool = False
     flush: bool = False
+    #: Save from the frontier the worker kept at this length (`KeepAnswerStart`), not the cache's.
+    from_kept: bool = False
     #: The KTM trailer: tool-call ids whose exact DSML block is in `text` (exact replay).
     tool_map: list[ToolMapEntry] = field(default_factory=list)
+
+
+@dataclass
+class KeepAnswerStart:
+    """Copy the frontier and next-token logits after `n_tokens` tokens (where the request's answer
+    starts) to host memory after the forward, in case its answer will not come back as generated:
+    the request's finish then saves that state (`SaveJob.from_kept`). Released by
+    `Ds4DiskMetadata.release_kept` or that save."""
+
+    req_id: str
+    n_tokens: int
+    block_ids: BlockIds
 
 
 @dataclass
 class Ds4DiskMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    keep: list[KeepAnswerStart] = field(default_factory=list)
+    release_kept: list[str] = field(default_factory=list)  # request ids
 
 
 @dataclass

@@ -27,10 +27,17 @@ from typing import TYPE_CHECKING, Any
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from ds4_vllm.connector.metadata import BlockIds, Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
+from ds4_vllm.connector.metadata import (
+    BlockIds,
+    Ds4DiskMetadata,
+    Ds4DiskWorkerMetadata,
+    KeepAnswerStart,
+    LoadJob,
+    SaveJob,
+)
 from ds4_vllm.connector.token_text import TokenText
 from ds4_vllm.connector.tool_map import RequestToolMap
-from ds4_vllm.contracts import ASSISTANT, DISK_TOKENS_PARAM, USER
+from ds4_vllm.contracts import ASSISTANT, DISK_TOKENS_PARAM, THINK_END, THINK_START, USER
 from ds4_vllm.kvc import KvcHeader, PayloadHeader, SaveReason, ToolMapEntry, payload_size
 from ds4_vllm.model.config import routed_expert_quant_bits
 from ds4_vllm.model.kv_layout import Ds4KVLayout
@@ -42,8 +49,11 @@ from ds4_vllm.store import (
     SaveDecision,
     StoreOptions,
     TraceWriter,
+    answer_start,
+    answer_start_save,
     finished_save,
     plan_prefill_saves,
+    reasoning_open,
 )
 
 if TYPE_CHECKING:
@@ -60,6 +70,9 @@ class RequestState:
     request: Any  # vllm.v1.request.Request (its all_token_ids grow as it decodes)
     planned: list[SaveDecision] = field(default_factory=list)
     last_stored: int = 0
+    saved: set[int] = field(default_factory=set)  # lengths a checkpoint of this request holds
+    answer_start: int = 0  # where its answer starts (`store.answer_start`); 0 before planning
+    kept: bool = False  # the worker keeps the frontier at `answer_start` (`KeepAnswerStart`)
     traced: bool = False
     decision: CacheDecision | None = None
     tool_map: RequestToolMap | None = None  # built at the first save
@@ -86,6 +99,8 @@ class Ds4DiskScheduler:
         self.token_text = TokenText.from_tokenizer_dir(model_config.tokenizer)
         self.user_id = self.token_text.token_id(USER) or -1
         self.assistant_id = self.token_text.token_id(ASSISTANT) or -1
+        self.think_start_id = self.token_text.token_id(THINK_START) or -1
+        self.think_end_id = self.token_text.token_id(THINK_END) or -1
         self.store = CheckpointStore(
             options, model_dims=layout.dims, model_fingerprint=model_fingerprint
         ).open()
@@ -99,6 +114,7 @@ class Ds4DiskScheduler:
         self.pending_loads: dict[str, PendingLoad] = {}
         self.loading: dict[str, LookupOutcome] = {}  # load jobs sent, result not yet back
         self.finished_saves: list[SaveJob] = []
+        self.release_kept: list[str] = []
 
     # ------------------------------------------------------------------ lookups
 
@@ -196,6 +212,7 @@ class Ds4DiskScheduler:
             self.loading[req_id] = outcome
             state = self.requests[req_id]
             state.last_stored = outcome.entry_tokens
+            state.saved.add(outcome.entry_tokens)
             state.decision = _with(
                 state.decision,
                 disk_cached_tokens=outcome.entry_tokens,
@@ -213,6 +230,7 @@ class Ds4DiskScheduler:
 
         meta.saves.extend(self.finished_saves)
         self.finished_saves = []
+        meta.release_kept, self.release_kept = self.release_kept, []
         if self.shutdown_requested and not self.shutdown_saved:
             self._add_shutdown_saves(meta, scheduler_output)
         return meta
@@ -236,6 +254,7 @@ class Ds4DiskScheduler:
                 job.flush = True
                 meta.saves.append(job)
                 state.last_stored = end
+                state.saved.add(end)
                 saved += 1
         logger.info("kv cache shutdown: saving the state of %d running requests", saved)
 
@@ -249,6 +268,7 @@ class Ds4DiskScheduler:
         state.planned = plan_prefill_saves(
             self.options, prompt, cached_tokens, self.user_id, self.assistant_id, shared
         )
+        state.answer_start = answer_start(prompt, self.assistant_id)
         if not state.decision:
             state.decision = CacheDecision(len(prompt), self.lookups.get(req_id, (0, None))[0])
         state.decision = _with(
@@ -286,7 +306,12 @@ class Ds4DiskScheduler:
             job = self._save_job(req_id, state, point, self._block_ids(req_id))
             if job is not None:
                 meta.saves.append(job)
+                state.saved.add(point.tokens)
             state.last_stored = point.tokens
+        start = state.answer_start
+        if computed < start <= end and start >= self.options.min_tokens and start not in state.saved:
+            meta.keep.append(KeepAnswerStart(req_id, start, self._block_ids(req_id)))
+            state.kept = True
 
     def _save_job(
         self, req_id: str, state: RequestState, point: SaveDecision, block_ids: BlockIds, **kw: Any
@@ -372,26 +397,61 @@ class Ds4DiskScheduler:
         # How many prompt tokens came from disk, for the API server's usage fields
         # (ds4_vllm.serving.request_outputs reads it off the request's final output).
         params = {DISK_TOKENS_PARAM: state.disk_tokens}
-        # The finished conversation's whole state (prompt + generated, less the last sampled
-        # token, which was never fed), while vLLM still holds it. Requests vLLM aborts on the
-        # way out of a stop are saved as `shutdown`.
-        decision = finished_save(
-            self.options, request.num_computed_tokens, state.last_stored, shutdown=self.shutdown_requested
+        jobs = self._finished_jobs(request, state, tuple(list(ids) for ids in block_ids))
+        if state.kept and not any(job.from_kept for job in jobs):
+            self.release_kept.append(req_id)
+        self.finished_saves.extend(jobs)
+        return bool(jobs), params
+
+    def _finished_jobs(self, request: Request, state: RequestState, block_ids: BlockIds) -> list[SaveJob]:
+        """The finished conversation's whole state (prompt + generated, less the last sampled
+        token, which was never fed), while vLLM still holds it; or, when the answer will not come
+        back as generated and the worker kept the frontier where it starts, the state there.
+        Requests vLLM aborts on the way out of a stop are saved both ways, as `shutdown`: as ds4
+        saves its live state, and for the client's retry of the same prompt."""
+        shutdown = self.shutdown_requested
+        decisions: list[tuple[SaveDecision | None, bool]] = []  # (save, from the kept frontier)
+        comes_back = self._answer_comes_back(request)
+        if comes_back or shutdown or not state.kept:
+            whole = finished_save(
+                self.options, request.num_computed_tokens, state.last_stored, shutdown=shutdown
+            )
+            decisions.append((whole, False))
+        if state.kept and not comes_back:
+            start = answer_start_save(self.options, state.answer_start, state.saved, shutdown=shutdown)
+            decisions.append((start, True))
+        jobs = []
+        for decision, from_kept in decisions:
+            if decision is None or (from_kept and jobs and jobs[0].ticket.n_tokens == decision.tokens):
+                continue
+            job = self._save_job(
+                request.request_id,
+                state,
+                decision,
+                block_ids,
+                after_finish=True,
+                flush=shutdown,
+                from_kept=from_kept,
+            )
+            if job is not None:
+                jobs.append(job)
+        return jobs
+
+    def _answer_comes_back(self, request: Request) -> bool:
+        """Will a follow-up render this answer as its tokens? Yes when it ended on its own end of
+        sentence or was cut by max_tokens, its reasoning closed (clients resend the visible part).
+        No when its reasoning is still open (clients drop it), when a stop token or string stopped
+        it (the client never saw that), or when it was aborted (a retry resends the prompt)."""
+        from vllm.v1.request import RequestStatus
+
+        ended = request.status == RequestStatus.FINISHED_LENGTH_CAPPED or (
+            request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
         )
-        if decision is None:
-            return False, params
-        job = self._save_job(
-            req_id,
-            state,
-            decision,
-            tuple(list(ids) for ids in block_ids),
-            after_finish=True,
-            flush=self.shutdown_requested,
-        )
-        if job is None:
-            return False, params
-        self.finished_saves.append(job)
-        return True, params
+        if not ended:
+            return False
+        prompt = request.prompt_token_ids or []
+        answer = list(prompt[-1:]) + list(request.all_token_ids[len(prompt) :])
+        return not reasoning_open(answer, self.think_start_id, self.think_end_id)
 
     def _on_shutdown_signal(self) -> None:
         if not self.shutdown_requested:

@@ -27,7 +27,14 @@ import numpy as np
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from ds4_vllm.connector.metadata import Ds4DiskMetadata, Ds4DiskWorkerMetadata, LoadJob, SaveJob
+from ds4_vllm.connector.kept_frontiers import KeptFrontier, KeptFrontiers
+from ds4_vllm.connector.metadata import (
+    Ds4DiskMetadata,
+    Ds4DiskWorkerMetadata,
+    KeepAnswerStart,
+    LoadJob,
+    SaveJob,
+)
 from ds4_vllm.contracts import STEP_HIDDEN_KEY
 from ds4_vllm.kvc import LayerArrays, PayloadData, PayloadHeader, SaveReason
 from ds4_vllm.model.kv_layout import Ds4KVLayout, StateUnavailable
@@ -77,6 +84,7 @@ class Ds4DiskWorker:
         self.stats = StoreStats()  # this side's counters: loads, drops, waits
         self.caches: dict[str, torch.Tensor] = {}
         self.previous_step: StepHidden | None = None  # the last forward's (finished requests ran in it)
+        self.kept = KeptFrontiers()
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
@@ -97,6 +105,8 @@ class Ds4DiskWorker:
     # ------------------------------------------------------------------ before the forward
 
     def start_load_kv(self, meta: Ds4DiskMetadata) -> None:
+        for req_id in meta.release_kept:
+            self.kept.release(req_id)
         # Finished requests first: a load in this same step may want the state they hold.
         for save in meta.saves:
             if save.after_finish:
@@ -162,23 +172,48 @@ class Ds4DiskWorker:
             for job in meta.saves:
                 if not job.after_finish:
                     self._save(job, step)
+            for keep in meta.keep:
+                self._keep(keep, step)
             if any(job.flush for job in meta.saves) and not self.queue.drain(FLUSH_TIMEOUT_S):
                 logger.warning("kv cache flush timed out after %.0f s", FLUSH_TIMEOUT_S)
         if step is not None:
             self.previous_step = step
 
+    def _keep(self, job: KeepAnswerStart, step: StepHidden | None) -> None:
+        """Copy the frontier after the job's tokens to host memory (`KeptFrontiers`)."""
+        logits = self._logits(step, job.block_ids, job.n_tokens)
+        if not self.writes_files or logits is None:
+            return
+        try:
+            frontier = self.layout.extract_frontier(self.caches, job.block_ids, job.n_tokens)
+        except StateUnavailable:
+            return
+        self.kept.keep(
+            job.req_id, KeptFrontier(job.n_tokens, logits.cpu().numpy().astype(np.float32), frontier)
+        )
+
+    def _logits(self, step: StepHidden | None, block_ids, n_tokens: int) -> torch.Tensor | None:
+        group = self.layout.layers[0].raw.group
+        return None if step is None else step.logits_at(block_ids[group], n_tokens - 1)
+
     def _save(self, job: SaveJob, step: StepHidden | None) -> None:
         """Copy the state after the job's tokens out of the cache now; write it in the background."""
         n_tokens = job.ticket.n_tokens
-        group = self.layout.layers[0].raw.group
-        logits = None if step is None else step.logits_at(job.block_ids[group], n_tokens - 1)
+        logits = None if job.from_kept else self._logits(step, job.block_ids, n_tokens)
         if not self.writes_files:  # the writing rank reports this save, whatever happens to it
             return
+        frontier = None
+        if job.from_kept:
+            kept = self.kept.take(job.req_id, n_tokens)
+            if kept is None:
+                self._not_saved(job, "no frontier kept where the answer starts")
+                return
+            logits, frontier = torch.from_numpy(kept.logits), kept.frontier
         if logits is None:
             self._not_saved(job, "no logits for the last token")
             return
         try:
-            layers = self.layout.extract(self.caches, job.block_ids, n_tokens)
+            layers = self.layout.extract(self.caches, job.block_ids, n_tokens, frontier)
         except StateUnavailable as exc:
             self._not_saved(job, str(exc))
             return

@@ -22,6 +22,9 @@ from ds4_vllm.kvc import LayerArrays, ModelDims
 CLEARED_SCORE = -1e30  # ds4's initial/cleared frontier score
 NULL_BLOCK = 0  # vLLM's placeholder block for positions outside a sliding window
 
+#: One layer's frontier arrays by `LayerArrays` field name (raw, state_*, index_state_*).
+Frontier = dict[str, np.ndarray]
+
 
 class StateUnavailable(RuntimeError):
     """A row the checkpoint needs is no longer in vLLM's cache (its block was released)."""
@@ -157,24 +160,45 @@ class Ds4KVLayout:
 
     # ------------------------------------------------------------------ cache -> payload
 
-    def extract(self, caches, block_ids, n_tokens: int) -> list[LayerArrays]:
-        """Payload arrays (float32 copies) of the state after ``n_tokens`` tokens."""
-        raw_positions = list(range(max(0, n_tokens - self.window), n_tokens))
+    def extract(
+        self, caches, block_ids, n_tokens: int, frontier: Sequence[Frontier] | None = None
+    ) -> list[LayerArrays]:
+        """Payload arrays (float32 copies) of the state after ``n_tokens`` tokens.
+
+        ``frontier``: the rows `extract_frontier` copied while the request held exactly
+        ``n_tokens`` tokens; the compressed rows below it never change, so the state can be
+        saved later, once vLLM has released the window's blocks.
+        """
+        if frontier is None:
+            frontier = self.extract_frontier(caches, block_ids, n_tokens)
         n_comp, n_index = self.counts(n_tokens)
         out = []
-        for il, layer in enumerate(self.layers):
-            arrays = {"raw": self._raw_rows(caches, layer.raw, block_ids, raw_positions, n_tokens)}
+        for il, (layer, front) in enumerate(zip(self.layers, frontier, strict=True)):
+            arrays = dict(front)
             if layer.ratio:
                 arrays["comp"] = self._comp_rows(caches, layer.comp, block_ids, n_comp[il])
+            if layer.ratio == 4:
+                arrays["index_comp"] = self._comp_rows(caches, layer.index_comp, block_ids, n_index[il])
+            out.append(LayerArrays(**arrays))
+        return out
+
+    def extract_frontier(self, caches, block_ids, n_tokens: int) -> list[Frontier]:
+        """The part of the state after ``n_tokens`` that later tokens overwrite or release, per
+        layer: the raw window rows and the compressors' open windows (a few hundred rows, however
+        long the context)."""
+        raw_positions = list(range(max(0, n_tokens - self.window), n_tokens))
+        out: list[Frontier] = []
+        for layer in self.layers:
+            arrays = {"raw": self._raw_rows(caches, layer.raw, block_ids, raw_positions, n_tokens)}
+            if layer.ratio:
                 arrays["state_kv"], arrays["state_score"] = self._frontier(
                     caches, layer.state, block_ids, n_tokens, layer.ratio
                 )
             if layer.ratio == 4:
-                arrays["index_comp"] = self._comp_rows(caches, layer.index_comp, block_ids, n_index[il])
                 arrays["index_state_kv"], arrays["index_state_score"] = self._frontier(
                     caches, layer.index_state, block_ids, n_tokens, 4
                 )
-            out.append(LayerArrays(**arrays))
+            out.append(arrays)
         return out
 
     def _raw_rows(

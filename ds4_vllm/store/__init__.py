@@ -8,11 +8,14 @@ from .checkpoint_store import Admission, CheckpointStore, StoreResult
 from .options import StoreConfigError, StoreOptions, default_disk_dir
 from .policy import (
     SaveDecision,
+    answer_start,
+    answer_start_save,
     chat_anchor,
     cold_store_len,
     continued_due,
     finished_save,
     plan_prefill_saves,
+    reasoning_open,
     store_len,
 )
 from .records import LoadFailure, LoadReport, LookupOutcome, WriteReport, WriteTicket, tokens_digest
@@ -38,12 +41,15 @@ __all__ = [
     "StoreResult",
     "StoreStats",
     "TraceWriter",
+    "answer_start",
+    "answer_start_save",
     "chat_anchor",
     "cold_store_len",
     "continued_due",
     "default_disk_dir",
     "finished_save",
     "plan_prefill_saves",
+    "reasoning_open",
     "store_len",
     "tokens_digest",
 ]

@@ -11,6 +11,10 @@ keeps one `last_stored` per request:
 - `finished_save` decides the `evict` save of a finished request (its full state, prompt +
   generated, before vLLM's memory may drop it) and the `shutdown` save of a request still
   in memory when the server stops gracefully.
+- `answer_start_save` replaces it when the answer will not come back as it was generated
+  (cut inside its reasoning, which clients drop; stopped by a stop string; aborted): the
+  state where the answer starts, which the follow-up or the retry shares, instead of a
+  state after the answer that no later prompt extends.
 
 A request that reused tokens (from vLLM's memory or from disk) gets no cold save, exactly
 as in ds4; its `last_stored` starts at the reused count.
@@ -28,7 +32,7 @@ share a long set-up (tools, system prompt) and part late in it (a folder's path)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ds4_vllm.kvc.constants import SaveReason
 
@@ -194,3 +198,34 @@ def finished_save(
     if total_tokens < options.min_tokens or total_tokens <= last_stored:
         return None
     return SaveDecision(total_tokens, SaveReason.SHUTDOWN if shutdown else SaveReason.EVICT)
+
+
+def answer_start(prompt_tokens: Sequence[int], assistant_token_id: int) -> int:
+    """Where the answer's own text starts in every later rendering of this prompt: just after
+    its final `<｜Assistant｜>` when that is among its last two tokens (a thinking tag may follow,
+    and a later turn renders an earlier answer after `</think>` in either mode); else its length."""
+    n = len(prompt_tokens)
+    for pos in range(n - 1, max(n - 3, -1), -1):
+        if prompt_tokens[pos] == assistant_token_id:
+            return pos + 1
+    return n
+
+
+def reasoning_open(tokens: Sequence[int], think_start_id: int, think_end_id: int) -> bool:
+    """True when the last thinking tag in `tokens` opens a block (an answer cut inside it)."""
+    for tok in reversed(tokens):
+        if tok == think_end_id:
+            return False
+        if tok == think_start_id:
+            return True
+    return False
+
+
+def answer_start_save(
+    options: StoreOptions, start: int, saved: Collection[int], *, shutdown: bool = False
+) -> SaveDecision | None:
+    """The save of a finished request whose answer will not come back as generated: its state
+    at `start` (`answer_start`), unless shorter than min or already saved at that length."""
+    if start < options.min_tokens or start in saved:
+        return None
+    return SaveDecision(start, SaveReason.SHUTDOWN if shutdown else SaveReason.EVICT)

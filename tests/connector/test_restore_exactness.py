@@ -8,6 +8,11 @@ still decoding when engine A stops, so its continued checkpoint at 4,096 tokens
 (aligned, reached during decode) is what persists of it. Engine B, a fresh engine
 on the same directory with vLLM's own prefix cache off, answers follow-ups that
 each load one of those files. Engine R has no connector and computes them cold.
+
+A third conversation ends on `<｜Assistant｜><think>` and is cut by max_tokens inside its
+reasoning, which a client drops when it sends the next turn (`<｜Assistant｜></think>...`). Its
+finish is saved where its answer starts (2,601 tokens, from the frontier the worker kept there),
+not after the answer, which no follow-up extends (issue 21).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import time
 
 import pytest
 
+from ds4_vllm.chat.tokenizer import default_tokenizer
+from ds4_vllm.contracts import ASSISTANT, THINK_END, THINK_START
 from ds4_vllm.kvc import open_checkpoint, text_sha1
 from tests.model.engine_helpers import (
     ds4disk_config,
@@ -39,8 +46,14 @@ MAX_TOKENS = 8
 # test saw 1.0e-4. A restore that is wrong by one row moves log-probs by 1e-2 or more, so the
 # bound sits 60x above the measured maximum and 10x above the worst value ever seen.
 ROUND_OFF = 1e-3
+THINKING_PROMPT_TOKENS = 2602  # 2,600 ids, then <｜Assistant｜><think>
+ANSWER_START = THINKING_PROMPT_TOKENS - 1
 SAVE_POLICY = {"kv_cache_boundary_align_tokens": 0, "kv_cache_continued_interval_tokens": 2048}
-EXPECTED_FILES = {"continued": {4096}, "cold": {4571}, "evict": {PROMPT_TOKENS + MAX_TOKENS - 1}}
+EXPECTED_FILES = {
+    "continued": {4096},
+    "cold": {4571},
+    "evict": {PROMPT_TOKENS + MAX_TOKENS - 1, ANSWER_START},
+}
 UNFINISHED_PROMPT_TOKENS = 4000
 
 
@@ -80,12 +93,15 @@ def decode_until_checkpoint(llm, prompt: list[int], disk_dir, tokens: int, timeo
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
     disk_dir = tmp_path_factory.mktemp("kvdisk")
-    prompt, unfinished, tail_a, tail_b, tail_c = random_prompts(
-        [PROMPT_TOKENS, UNFINISHED_PROMPT_TOKENS, 30, 40, 40], seed=41
+    prompt, unfinished, tail_a, tail_b, tail_c, thinking, tail_d = random_prompts(
+        [PROMPT_TOKENS, UNFINISHED_PROMPT_TOKENS, 30, 40, 40, THINKING_PROMPT_TOKENS - 2, 40], seed=41
     )
+    special = default_tokenizer().special_ids
+    thinking_prompt = thinking + [special[ASSISTANT], special[THINK_START]]
     llm = make_engine(kv_transfer_config=connector_config(disk_dir))
     try:
         first = llm.generate([{"prompt_token_ids": prompt}], greedy(MAX_TOKENS, logprobs=5))[0]
+        thinking_first = llm.generate([{"prompt_token_ids": thinking_prompt}], greedy(MAX_TOKENS))[0]
         continued_path, continued_bytes = decode_until_checkpoint(llm, unfinished, disk_dir, 4096)
     finally:
         shutdown_engine(llm)
@@ -105,6 +121,7 @@ def scenario(tmp_path_factory):
         "cold": prompt[:4571] + tail_b,
         "continued": continued_tokens + tail_c,
         "stop": stopped_tokens + tail_c,
+        "answer-start": thinking_prompt[:ANSWER_START] + [special[THINK_END]] + tail_d,
     }
     restored = run(
         {"kv_transfer_config": connector_config(disk_dir), "enable_prefix_caching": False},
@@ -117,6 +134,9 @@ def scenario(tmp_path_factory):
         "continued_tokens": continued_tokens,
         "stopped_reason": stopped_reason,
         "unfinished": unfinished,
+        "thinking_prompt": thinking_prompt,
+        "thinking_answer": list(thinking_first.outputs[0].token_ids),
+        "think_end": special[THINK_END],
         "restored": dict(zip(follow_ups, restored, strict=True)),
         "reference_first": reference[0],
         "reference": dict(zip(follow_ups, reference[1:], strict=True)),
@@ -138,6 +158,11 @@ def test_graceful_stop_saved_the_unfinished_conversation(scenario):
     # Stopping engine A aborted the still-decoding request; its state was saved on the way out.
     assert scenario["restored"]["stop"].num_cached_tokens > 4096
     assert scenario["stopped_reason"] == "shutdown"
+    # and where its answer starts, for a client that retries the prompt after the restart
+    retry_tokens, retry_reason = checkpoint_tokens(
+        scenario["dir"], lambda ck: ck.header.tokens == UNFINISHED_PROMPT_TOKENS
+    )
+    assert (retry_tokens, retry_reason) == (scenario["unfinished"], "shutdown")
 
 
 def test_continued_checkpoint_extends_the_unfinished_prompt(scenario):
@@ -152,7 +177,13 @@ def test_saving_does_not_change_the_first_answer(scenario):
 
 @pytest.mark.parametrize(
     "reason, loaded",
-    [("evict", PROMPT_TOKENS + MAX_TOKENS - 1), ("cold", 4571), ("continued", 4096), ("stop", None)],
+    [
+        ("evict", PROMPT_TOKENS + MAX_TOKENS - 1),
+        ("cold", 4571),
+        ("continued", 4096),
+        ("stop", None),
+        ("answer-start", ANSWER_START),
+    ],
 )
 def test_restored_logits_equal_cold_prefill(scenario, reason, loaded):
     restored, reference = scenario["restored"][reason], scenario["reference"][reason]
@@ -164,6 +195,20 @@ def test_restored_logits_equal_cold_prefill(scenario, reason, loaded):
     assert list(restored.outputs[0].token_ids) == list(reference.outputs[0].token_ids)
     worst = max_logprob_gap(restored, reference)
     assert worst < ROUND_OFF, f"{reason}: max |Δ logprob| = {worst}"
+
+
+def test_an_answer_cut_inside_its_reasoning_is_saved_where_it_starts(scenario):
+    """The state after the cut answer is not on disk (no later prompt extends it); the state
+    where it starts is, with the conversation's cold file (ds4's, shared with other requests)."""
+    prompt = scenario["thinking_prompt"]
+    assert scenario["think_end"] not in scenario["thinking_answer"]  # the reasoning never closed
+    lengths = {}
+    for path in scenario["dir"].glob("*.kv"):
+        with open_checkpoint(path) as ck:
+            tokens = [int(t) for t in ck.payload.tokens]
+            if tokens == prompt[: len(tokens)] or tokens[: len(prompt)] == prompt:
+                lengths[ck.header.tokens] = ck.header.reason_name
+    assert lengths == {ANSWER_START: "evict", 2570: "cold"}, lengths
 
 
 def test_files_are_valid_kvc_checkpoints(scenario):

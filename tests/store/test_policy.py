@@ -8,12 +8,15 @@ from ds4_vllm.kvc import SaveReason
 from ds4_vllm.store.options import StoreOptions
 from ds4_vllm.store.policy import (
     SaveDecision,
+    answer_start,
+    answer_start_save,
     chat_anchor,
     cold_store_len,
     continued_due,
     divergence_save,
     finished_save,
     plan_prefill_saves,
+    reasoning_open,
     store_len,
 )
 
@@ -195,3 +198,42 @@ def test_a_new_set_up_is_saved_every_2048_tokens() -> None:
     ladder = [SaveDecision(m, SaveReason.AGENT_SYSTEM) for m in range(2048, 30001, 2048) if m % 10240]
     assert long_set_up == sorted(continued + ladder)
     assert plan_prefill_saves(D, [7] * 3000 + [8] * 2000, 0, U, A) == [SaveDecision(4096, COLD)]  # no set-up
+
+
+THINK, UNTHINK = 902, 903  # <think>, </think>
+
+
+@pytest.mark.parametrize(
+    ("tail", "expected"),
+    [
+        ([A, THINK], 1001),  # thinking: a later turn renders `<｜Assistant｜></think>...`
+        ([A, UNTHINK], 1001),  # non-thinking: the same prefix
+        ([A], 1001),
+        ([A, 5, 6], 1003),  # no assistant turn at the end (a raw completion): its length
+        ([5], 1001),
+    ],
+)
+def test_answer_start(tail: list[int], expected: int) -> None:
+    assert answer_start([7] * 1000 + tail, A) == expected
+
+
+@pytest.mark.parametrize(
+    ("answer", "open_"),
+    [
+        ([THINK, 5, 6], True),  # cut inside its reasoning
+        ([THINK, 5, UNTHINK, 6], False),
+        ([UNTHINK, 6], False),
+        ([5, 6], False),
+        ([THINK, 5, UNTHINK, THINK, 6], True),
+    ],
+)
+def test_reasoning_open(answer: list[int], open_: bool) -> None:
+    assert reasoning_open(answer, THINK, UNTHINK) is open_
+
+
+def test_answer_start_save() -> None:
+    """Issue 21: a finished request whose answer will not come back is saved where it starts."""
+    assert answer_start_save(D, 5000, set()) == SaveDecision(5000, SaveReason.EVICT)
+    assert answer_start_save(D, 5000, {4096}, shutdown=True) == SaveDecision(5000, SaveReason.SHUTDOWN)
+    assert answer_start_save(D, 5000, {5000}) is None  # a file holds that length already
+    assert answer_start_save(D, 511, set()) is None  # under --kv-cache-min-tokens
