@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, not an install
 
 from ds4_vllm.kvc import KvcHeader, PayloadData, PayloadHeader, SaveReason, open_checkpoint, write_checkpoint  # noqa: E402
-from ds4_vllm.model.core import Ds4CausalLM  # noqa: E402
+from ds4_vllm.model.core import Ds4CausalLM, build_model  # noqa: E402
 from ds4_vllm.model.default_model import default_config, default_model_dir  # noqa: E402
 from ds4_vllm.model.kv_layout import Ds4KVLayout  # noqa: E402
 from ds4_vllm.model.paged_run import PagedRun, StaticDecode  # noqa: E402
@@ -53,8 +53,7 @@ def build(dtype: torch.dtype, device: str) -> Ds4CausalLM:
     """The tiny default on `device`, built there and loaded from CPU tensors as vLLM does."""
     from safetensors.torch import load_file
 
-    with torch.device(device):
-        model = Ds4CausalLM(default_config(), dtype)
+    model = build_model(default_config(), dtype, device)
     model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
     return model.eval()
 

@@ -7,6 +7,8 @@ quantized checkpoints stay packed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -82,9 +84,16 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.zeros(width, hc * hidden))
         self.base = nn.Parameter(torch.zeros(width))
         self.scale = nn.Parameter(torch.ones(3))
+        #: Fused kernels for bf16 CPU streams (`ds4_vllm.model.cpu_kernels`); None: the code below.
+        self.fast_forward: (
+            Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
+        ) = None
+        self.fast_expand: Callable[..., torch.Tensor] | None = None
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, H] -> (post [T, hc], comb [T, hc, hc], collapsed [T, H])."""
+        if self.fast_forward is not None and _fused_streams(streams):
+            return self.fast_forward(streams)
         hc = self.hc
         flat = rms_norm(streams.flatten(1).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn.float())
@@ -98,14 +107,20 @@ class HyperConnection(nn.Module):
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
-    @staticmethod
     def expand(
-        streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+        self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
         """X'_k = post_k * f(y) + sum_j comb[j, k] * X_j."""
+        if self.fast_expand is not None and _fused_streams(streams):
+            return self.fast_expand(out, streams, post, comb)
         dtype = streams.dtype
         mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+
+def _fused_streams(streams: torch.Tensor) -> bool:
+    """Streams vLLM's fused mHC CPU kernels take: bf16, on the CPU."""
+    return streams.dtype == torch.bfloat16 and streams.device.type == "cpu"
 
 
 class HyperHead(nn.Module):
@@ -117,8 +132,11 @@ class HyperHead(nn.Module):
         self.hc_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
         self.hc_base = nn.Parameter(torch.zeros(hc))
         self.hc_scale = nn.Parameter(torch.ones(1))
+        self.fast_forward: Callable[[torch.Tensor], torch.Tensor] | None = None  # see HyperConnection
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        if self.fast_forward is not None and _fused_streams(streams):
+            return self.fast_forward(streams)
         flat = rms_norm(streams.flatten(1).float(), self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps

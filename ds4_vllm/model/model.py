@@ -8,7 +8,7 @@ checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -19,6 +19,7 @@ from vllm.forward_context import get_forward_context
 from ds4_vllm.contracts import STEP_HIDDEN_KEY
 from ds4_vllm.model.cache_layers import Ds4CacheLayer
 from ds4_vllm.model.core import Ds4CausalLM
+from ds4_vllm.model.cpu_kernels import use_vllm_cpu_kernels
 from ds4_vllm.model.paged_state import BatchPlan, Ds4CacheMetadata
 from ds4_vllm.model.parallel import TpGroup
 
@@ -77,6 +78,11 @@ class Ds4ForCausalLM(Ds4CausalLM):
             states=Ds4CacheLayer,
             prefix=f"{prefix}.model" if prefix else "model",
         )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        use_vllm_cpu_kernels(self)  # a no-op off the CPU
+        return loaded
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -95,6 +95,9 @@ PATCHED_NAMES: dict[str, str] = {
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens": (
         "wrapped: hides the generators of rows whose sampled token is discarded (see item 8)"
     ),
+    "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm": (
+        "relied on: ds4_vllm.model.cpu_kernels binds vLLM's CPU GEMM to the model's float projections"
+    ),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync": (
         "relied on: rewinds discarded rows' generators with CUDA-only set_offset (see item 8)"
     ),

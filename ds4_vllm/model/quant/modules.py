@@ -26,6 +26,8 @@ Every dense matmul goes through ``quant_linear(x, weight)`` and every expert gro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -181,10 +183,14 @@ class QuantLinear(_PackedWeightHolder):
     def __init__(self, in_features: int, out_features: int, split: Split | None = None) -> None:
         super().__init__((out_features, in_features), "QuantLinear", split)
         self.out_features, self.in_features = self.shape
+        #: A faster GEMM bound to this layer's float CPU weight (`ds4_vllm.model.cpu_kernels`), used
+        #: for CPU inputs of the weight's dtype; None: `quant_linear`.
+        self.fast_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_weight(self, w: WeightLike) -> None:
         """Install the whole checkpoint's [out, in] weight (this rank keeps its part): float or packed."""
         self._store(self._local(w))
+        self.fast_linear = None  # bound to the previous weight
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a float tensor of ``dtype`` (a new tensor for packed weights)."""
@@ -192,6 +198,9 @@ class QuantLinear(_PackedWeightHolder):
         return dequantize(w, dtype=dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self.fast_linear
+        if fast is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
+            return fast(x)
         return quant_linear(x, self.stored_weight())
 
 
@@ -212,6 +221,8 @@ class QuantExpertWeight(_PackedWeightHolder):
         self.experts = range(n_experts) if experts is None else experts
         #: Which local experts were installed: loader bookkeeping, kept on the host (no device sync).
         self._expert_set = [False] * self.shape[0]
+        #: Per local expert, a faster GEMM bound to its float CPU weight (`ds4_vllm.model.cpu_kernels`).
+        self.fast_linears: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
 
     @property
     def n_experts(self) -> int:
@@ -222,6 +233,7 @@ class QuantExpertWeight(_PackedWeightHolder):
         """Install the whole [E, out, in] stack (e.g. a GGUF ``ffn_*_exps`` tensor); this rank keeps its experts."""
         self._store(self._local(w))
         self._expert_set = [True] * self.shape[0]
+        self.fast_linears = None  # bound to the previous weights
 
     def set_expert(self, expert: int, w: WeightLike) -> None:
         """Install one expert's [out, in] weight by global id (ignored when another rank holds it);
@@ -232,6 +244,7 @@ class QuantExpertWeight(_PackedWeightHolder):
             return
         expert -= self.experts.start
         one_shape = self.shape[1:]
+        self.fast_linears = None  # bound to the previous weights
         if isinstance(w, QuantizedWeight):
             if w.shape != one_shape:
                 raise ValueError(
@@ -342,12 +355,31 @@ class QuantExperts(nn.Module):
         return max(1, self.dequant_budget_bytes // per_expert)
 
     def expert_forward(
-        self, x: torch.Tensor, gate: WeightLike, up: WeightLike, down: WeightLike
+        self, x: torch.Tensor, gate: WeightLike, up: WeightLike, down: WeightLike, stored: int | None = None
     ) -> torch.Tensor:
-        """One expert on its tokens ``x`` [n, hidden] with weights gate/up [ffn, hidden], down [hidden, ffn]."""
-        g = quant_linear(x, gate).clamp(max=self.limit)
-        u = quant_linear(x, up).clamp(min=-self.limit, max=self.limit)
-        return quant_linear(F.silu(g) * u, down)
+        """One expert on its tokens ``x`` [n, hidden] with weights gate/up [ffn, hidden], down [hidden, ffn].
+
+        ``stored``: the local index of the expert when the weights are its stored float weights
+        (not a dequantized copy), so that GEMMs bound to them (`fast_linears`) may run instead.
+        """
+        g = self._project(self.gate_proj, stored, x, gate).clamp(max=self.limit)
+        u = self._project(self.up_proj, stored, x, up).clamp(min=-self.limit, max=self.limit)
+        return self._project(self.down_proj, stored, F.silu(g) * u, down)
+
+    @staticmethod
+    def _project(
+        proj: QuantExpertWeight, stored: int | None, x: torch.Tensor, weight: WeightLike
+    ) -> torch.Tensor:
+        fast = proj.fast_linears
+        if (
+            fast is not None
+            and stored is not None
+            and x.device.type == "cpu"
+            and isinstance(weight, torch.Tensor)
+            and x.dtype == weight.dtype
+        ):
+            return fast[stored](x)
+        return quant_linear(x, weight)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden]; ``indices``/``weights`` [tokens, top_k] from the router."""
@@ -366,12 +398,13 @@ class QuantExperts(nn.Module):
         starts = (torch.cumsum(counts, 0) - counts)[used].tolist()
         used_counts = counts[used].tolist()
         token_of, slot_of = order // top_k, order % top_k
-        for pairs, (gate, up, down) in self._weight_groups(used - self.experts.start, x.dtype):
+        for pairs, (gate, up, down), in_place in self._weight_groups(used - self.experts.start, x.dtype):
             for j, w_index in pairs:
                 start, count = starts[j], used_counts[j]
                 tokens = token_of[start : start + count]
                 slots = slot_of[start : start + count]
-                y = self.expert_forward(x[tokens], gate[w_index], up[w_index], down[w_index])
+                stored = w_index if in_place else None
+                y = self.expert_forward(x[tokens], gate[w_index], up[w_index], down[w_index], stored)
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
         return out
 
@@ -424,14 +457,16 @@ class QuantExperts(nn.Module):
                 out.add_(self.expert_forward(x, *parts) * scaled[slot_of[e]])
             return out
         local_ids = torch.tensor([e - self.experts.start for e in expert_ids], dtype=torch.int64)
-        for pairs, (gate, up, down) in self._weight_groups(local_ids, x.dtype):
+        for pairs, (gate, up, down), in_place in self._weight_groups(local_ids, x.dtype):
             for j, w_index in pairs:
-                y = self.expert_forward(x, gate[w_index], up[w_index], down[w_index])
+                stored = w_index if in_place else None
+                y = self.expert_forward(x, gate[w_index], up[w_index], down[w_index], stored)
                 out.add_(y * scaled[slot_of[expert_ids[j]]])
         return out
 
     def _weight_groups(self, used: torch.Tensor, dtype: torch.dtype):
-        """(positions in ``used`` paired with the weight index of that expert, (gate, up, down)) per group.
+        """(positions in ``used`` paired with the weight index of that expert, (gate, up, down),
+        whether those are the stored weights indexed by local expert) per group.
 
         Float weights already of ``dtype`` are indexed in place (one view per expert, nothing copied
         per step: a decode step would otherwise copy its experts' weights every layer); packed ones
@@ -439,7 +474,7 @@ class QuantExperts(nn.Module):
         """
         stored = tuple(p.stored_weight() for p in (self.gate_proj, self.up_proj, self.down_proj))
         if all(isinstance(w, torch.Tensor) and w.dtype == dtype for w in stored):
-            yield list(enumerate(used.tolist())), stored
+            yield list(enumerate(used.tolist())), stored, True
             return
         group = self.experts_per_group(dtype)
         for g0 in range(0, used.numel(), group):
@@ -447,4 +482,4 @@ class QuantExperts(nn.Module):
             weights = tuple(
                 p.expert_weights(ids, dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)
             )
-            yield [(g0 + j, j) for j in range(ids.numel())], weights
+            yield [(g0 + j, j) for j in range(ids.numel())], weights, False
