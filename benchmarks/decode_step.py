@@ -175,7 +175,7 @@ def main() -> None:
         f"{results['read_bandwidth_gb_s']:.1f} GB/s",
         [
             "dtype",
-            "GEMM",
+            "kernels",
             "batch",
             "ms/step",
             "tok/s",
@@ -183,7 +183,7 @@ def main() -> None:
             "read ms",
             "step / read",
             "b8/b1",
-            "vs F.linear",
+            "vs reference",
         ],
         [
             [
