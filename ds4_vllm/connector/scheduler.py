@@ -328,6 +328,8 @@ class Ds4DiskScheduler:
         )
         if admission.ticket is None:
             return None
+        if self.trace is not None:
+            self.trace.event(f"save request={req_id} {point} file={admission.ticket.path}")
         return SaveJob(req_id, admission.ticket, header, text, tokens, block_ids, tool_map=tool_map, **kw)
 
     def _tool_map(self, state: RequestState) -> RequestToolMap:

@@ -41,13 +41,20 @@ from .options import StoreOptions
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
 class SaveDecision:
-    """Checkpoint the request's state when it holds exactly `tokens` tokens, for `reason`."""
+    """Checkpoint the request's state when it holds exactly `tokens` tokens, for `reason`.
+
+    `why` names the rule within the file's reason where one reason has several (the trace's
+    "cold(anchor)", "agent-system(ladder)", "agent-system(divergence)", "evict(answer-start)");
+    the file's header holds only `reason`.
+    """
 
     tokens: int
     reason: SaveReason
+    why: str = dataclasses.field(default="", compare=False)
 
     def __str__(self) -> str:
-        return f"{self.reason.label}@{self.tokens}"
+        why = f"({self.why})" if self.why else ""
+        return f"{self.reason.label}{why}@{self.tokens}"
 
 
 def store_len(options: StoreOptions, n: int) -> int:
@@ -125,7 +132,7 @@ def divergence_save(
         return None
     if shared_tokens > chat_anchor(prompt_tokens, user_token_id, assistant_token_id):
         return None
-    return SaveDecision(shared_tokens, SaveReason.AGENT_SYSTEM)
+    return SaveDecision(shared_tokens, SaveReason.AGENT_SYSTEM, "divergence")
 
 
 def setup_ladder(
@@ -145,7 +152,7 @@ def setup_ladder(
     anchor = chat_anchor(prompt_tokens, user_token_id, assistant_token_id)
     first = max(cached_tokens // align + 1, -(-options.min_tokens // align)) * align
     end = min(anchor, options.cold_max_tokens + 1)
-    return [SaveDecision(m, SaveReason.AGENT_SYSTEM) for m in range(first, end, align)]
+    return [SaveDecision(m, SaveReason.AGENT_SYSTEM, "ladder") for m in range(first, end, align)]
 
 
 def plan_prefill_saves(
@@ -166,25 +173,26 @@ def plan_prefill_saves(
     from the known prompt it shares most with (`divergence_save`).
     """
     n = len(prompt_tokens)
-    saves: dict[int, SaveReason] = {}
+    saves: dict[int, SaveDecision] = {}
     step = options.continued_step
     if step > 0:
         first = (cached_tokens // step + 1) * step
         for m in range(first, n + 1, step):
             if continued_due(options, m, cached_tokens):
-                saves[m] = SaveReason.CONTINUED
+                saves[m] = SaveDecision(m, SaveReason.CONTINUED)
     if cached_tokens == 0:
         cold = cold_store_len(options, prompt_tokens, user_token_id, assistant_token_id)
         if cold is not None and cold > 0:
-            saves[cold] = SaveReason.COLD
+            at_anchor = cold == chat_anchor(prompt_tokens, user_token_id, assistant_token_id)
+            saves[cold] = SaveDecision(cold, SaveReason.COLD, "anchor" if at_anchor else "")
     for rung in setup_ladder(options, prompt_tokens, cached_tokens, user_token_id, assistant_token_id):
-        saves.setdefault(rung.tokens, rung.reason)
-    anchor = divergence_save(
+        saves.setdefault(rung.tokens, rung)
+    parting = divergence_save(
         options, prompt_tokens, shared_tokens, cached_tokens, user_token_id, assistant_token_id
     )
-    if anchor is not None:
-        saves.setdefault(anchor.tokens, anchor.reason)
-    return [SaveDecision(pos, reason) for pos, reason in sorted(saves.items())]
+    if parting is not None:
+        saves.setdefault(parting.tokens, parting)
+    return [saves[pos] for pos in sorted(saves)]
 
 
 def finished_save(
@@ -228,4 +236,4 @@ def answer_start_save(
     at `start` (`answer_start`), unless shorter than min or already saved at that length."""
     if start < options.min_tokens or start in saved:
         return None
-    return SaveDecision(start, SaveReason.SHUTDOWN if shutdown else SaveReason.EVICT)
+    return SaveDecision(start, SaveReason.SHUTDOWN if shutdown else SaveReason.EVICT, "answer-start")

@@ -18,7 +18,10 @@ Block format (one `key: value` per line; values never contain a newline, they ar
     shared_tokens: <tokens of the prompt a known checkpoint's text shares>  (when it shares any)
     planned_saves: cold@2048 continued@10240 (or "none")
 
-Other events are single lines: `--- trace: <message> ---`. Blocks end with a blank line.
+Other events are single lines: `--- trace: <message> ---`, among them one per save the store
+admitted, with why it was made: `--- trace: save request=<id> <reason>[(<rule>)]@<tokens>
+file=<path> ---` (reasons: cold, continued, evict, shutdown, agent-system; rules: anchor,
+ladder, divergence, answer-start). Blocks end with a blank line.
 Writes are appended and flushed per block under a lock, so blocks of concurrent requests
 never interleave; a failing trace file is reported once and then ignored (never fails a request).
 """

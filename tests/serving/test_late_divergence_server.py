@@ -39,10 +39,15 @@ DEPTHS = {"past 4096": 190, "inside a unit": 240, "deep": 420}
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, list[dict]]:
+def work_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("late-divergence")
+
+
+@pytest.fixture(scope="module")
+def folders(work_dir) -> dict[str, list[dict]]:
     from openai import OpenAI
 
-    tmp = tmp_path_factory.mktemp("late-divergence")
+    tmp = work_dir
     args = [
         "--model", "ds4", "--max-model-len", "16384",
         "--kv-connector", "ds4disk", "--kv-disk-dir", str(tmp / "kv"), "--trace", str(tmp / "trace.txt"),
@@ -105,6 +110,13 @@ def test_the_third_folder_reuses_all_but_512_tokens_of_the_shared_prefix(folders
     assert shared > 4096  # late: past the engine's cold and aligned points' reach
     third = runs[2]
     assert shared - GOAL_THIRD <= third["cached"] <= shared, (depth, shared, third["cached"])
+
+
+def test_the_trace_says_why_each_save_was_made(folders, work_dir) -> None:
+    trace = (work_dir / "trace.txt").read_text()
+    saves = [line for line in trace.splitlines() if line.startswith("--- trace: save request=")]
+    rules = {line.split()[4].split("@")[0] for line in saves}
+    assert {"agent-system(ladder)", "agent-system(divergence)", "cold(anchor)"} <= rules, rules
 
 
 def test_every_depth_shares_a_long_prefix_and_parts_at_another_token(folders) -> None:

@@ -23,20 +23,19 @@ QUESTIONS = [f"Here are the files:\n{LISTING}Which one is the largest?", "Open i
 
 
 @pytest.fixture(scope="module")
-def turns(tmp_path_factory) -> list[dict]:
+def work_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("rerender")
+
+
+@pytest.fixture(scope="module")
+def turns(work_dir) -> list[dict]:
     from openai import OpenAI
 
-    tmp = tmp_path_factory.mktemp("rerender")
+    tmp = work_dir
     args = [
-        "--model",
-        "ds4",
-        "--max-model-len",
-        "16384",
-        "--kv-connector",
-        "ds4disk",
-        "--kv-disk-dir",
-        str(tmp / "kv"),
-    ]
+        "--model", "ds4", "--max-model-len", "16384",
+        "--kv-connector", "ds4disk", "--kv-disk-dir", str(tmp / "kv"), "--trace", str(tmp / "trace.txt"),
+    ]  # fmt: skip
     messages: list[dict] = [{"role": "system", "content": system_prompt(380, "rerender/alpha")}]
     results = []
     server = ServerProcess(args, tmp / "serve-1.log").start()
@@ -88,3 +87,10 @@ def test_after_the_restart_the_turn_reuses_up_to_where_the_previous_answer_start
     answer_start = len(previous) - 1
     assert third["prompt_ids"][:answer_start] == previous[:answer_start]
     assert third["cached"] == answer_start, (third["cached"], answer_start, len(third["prompt_ids"]))
+
+
+def test_the_trace_names_the_answer_start_saves(turns, work_dir) -> None:
+    trace = (work_dir / "trace.txt").read_text()
+    saves = [line for line in trace.splitlines() if line.startswith("--- trace: save request=")]
+    at = {int(line.split()[4].split("@")[1]) for line in saves if "evict(answer-start)@" in line}
+    assert {len(turns[0]["prompt_ids"]) - 1, len(turns[1]["prompt_ids"]) - 1} <= at, saves

@@ -142,7 +142,7 @@ def test_plan_prefill_saves(n: int, cached: int, expected: list[tuple[int, SaveR
 def test_plan_prefill_saves_uses_chat_anchor() -> None:
     plan = plan_prefill_saves(D, chat_prompt(1500, 12000), 0, U, A)
     assert plan == [SaveDecision(1500, COLD), SaveDecision(10240, CONT)]
-    assert str(plan[0]) == "cold@1500"
+    assert str(plan[0]) == "cold(anchor)@1500"  # the trace says why
 
 
 @pytest.mark.parametrize(
@@ -184,6 +184,10 @@ def test_a_new_set_up_is_saved_every_2048_tokens() -> None:
     prompt = [7] * 9000 + [U] + [8] * 50 + [A]
     rungs = [SaveDecision(m, SaveReason.AGENT_SYSTEM) for m in (2048, 4096, 6144, 8192)]
     assert plan_prefill_saves(D, prompt, 0, U, A) == [*rungs, SaveDecision(9000, COLD)]
+    assert " ".join(map(str, plan_prefill_saves(D, prompt, 0, U, A, shared_tokens=6000))) == (
+        "agent-system(ladder)@2048 agent-system(ladder)@4096 agent-system(divergence)@6000 "
+        "agent-system(ladder)@6144 agent-system(ladder)@8192 cold(anchor)@9000"
+    )
     assert plan_prefill_saves(D, prompt, 0, U, A, shared_tokens=6000) == sorted(
         [*rungs, SaveDecision(6000, SaveReason.AGENT_SYSTEM), SaveDecision(9000, COLD)]
     )
@@ -234,6 +238,7 @@ def test_reasoning_open(answer: list[int], open_: bool) -> None:
 def test_answer_start_save() -> None:
     """Issue 21: a finished request whose answer will not come back is saved where it starts."""
     assert answer_start_save(D, 5000, set()) == SaveDecision(5000, SaveReason.EVICT)
+    assert str(answer_start_save(D, 5000, set())) == "evict(answer-start)@5000"
     assert answer_start_save(D, 5000, {4096}, shutdown=True) == SaveDecision(5000, SaveReason.SHUTDOWN)
     assert answer_start_save(D, 5000, {5000}) is None  # a file holds that length already
     assert answer_start_save(D, 511, set()) is None  # under --kv-cache-min-tokens
