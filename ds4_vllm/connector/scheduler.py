@@ -422,7 +422,7 @@ class Ds4DiskScheduler:
         if state.kept and not comes_back:
             start = answer_start_save(self.options, state.answer_start, state.saved, shutdown=shutdown)
             decisions.append((start, True))
-        jobs = []
+        jobs: list[SaveJob] = []
         for decision, from_kept in decisions:
             if decision is None or (from_kept and jobs and jobs[0].ticket.n_tokens == decision.tokens):
                 continue

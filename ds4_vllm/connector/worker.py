@@ -29,6 +29,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 from ds4_vllm.connector.kept_frontiers import KeptFrontier, KeptFrontiers
 from ds4_vllm.connector.metadata import (
+    BlockIds,
     Ds4DiskMetadata,
     Ds4DiskWorkerMetadata,
     KeepAnswerStart,
@@ -192,7 +193,7 @@ class Ds4DiskWorker:
             job.req_id, KeptFrontier(job.n_tokens, logits.cpu().numpy().astype(np.float32), frontier)
         )
 
-    def _logits(self, step: StepHidden | None, block_ids, n_tokens: int) -> torch.Tensor | None:
+    def _logits(self, step: StepHidden | None, block_ids: BlockIds, n_tokens: int) -> torch.Tensor | None:
         group = self.layout.layers[0].raw.group
         return None if step is None else step.logits_at(block_ids[group], n_tokens - 1)
 
