@@ -49,11 +49,11 @@ from ds4_vllm.store import (
     SaveDecision,
     StoreOptions,
     TraceWriter,
+    answer_comes_back,
     answer_start,
     answer_start_save,
     finished_save,
     plan_prefill_saves,
-    reasoning_open,
 )
 
 if TYPE_CHECKING:
@@ -440,20 +440,21 @@ class Ds4DiskScheduler:
         return jobs
 
     def _answer_comes_back(self, request: Request) -> bool:
-        """Will a follow-up render this answer as its tokens? Yes when it ended on its own end of
-        sentence or was cut by max_tokens, its reasoning closed (clients resend the visible part).
-        No when its reasoning is still open (clients drop it), when a stop token or string stopped
-        it (the client never saw that), or when it was aborted (a retry resends the prompt)."""
+        """`store.answer_comes_back` for a finished vLLM request."""
         from vllm.v1.request import RequestStatus
 
         ended = request.status == RequestStatus.FINISHED_LENGTH_CAPPED or (
             request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
         )
-        if not ended:
-            return False
         prompt = request.prompt_token_ids or []
-        answer = list(prompt[-1:]) + list(request.all_token_ids[len(prompt) :])
-        return not reasoning_open(answer, self.think_start_id, self.think_end_id)
+        output = list(request.all_token_ids[len(prompt) :])
+        return answer_comes_back(
+            ended,
+            list(prompt[-1:]) + output,
+            self.token_text.text(output),
+            self.think_start_id,
+            self.think_end_id,
+        )
 
     def _on_shutdown_signal(self) -> None:
         if not self.shutdown_requested:

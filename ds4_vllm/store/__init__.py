@@ -8,6 +8,7 @@ from .checkpoint_store import Admission, CheckpointStore, StoreResult
 from .options import StoreConfigError, StoreOptions, default_disk_dir
 from .policy import (
     SaveDecision,
+    answer_comes_back,
     answer_start,
     answer_start_save,
     chat_anchor,
@@ -41,6 +42,7 @@ __all__ = [
     "StoreResult",
     "StoreStats",
     "TraceWriter",
+    "answer_comes_back",
     "answer_start",
     "answer_start_save",
     "chat_anchor",

@@ -12,7 +12,8 @@ keeps one `last_stored` per request:
   generated, before vLLM's memory may drop it) and the `shutdown` save of a request still
   in memory when the server stops gracefully.
 - `answer_start_save` replaces it when the answer will not come back as it was generated
-  (cut inside its reasoning, which clients drop; stopped by a stop string; aborted): the
+  (`answer_comes_back`: cut inside its reasoning, which clients drop; stopped by a stop string;
+  aborted; bytes that are not UTF-8): the
   state where the answer starts, which the follow-up or the retry shares, instead of a
   state after the answer that no later prompt extends.
 
@@ -217,6 +218,24 @@ def answer_start(prompt_tokens: Sequence[int], assistant_token_id: int) -> int:
         if prompt_tokens[pos] == assistant_token_id:
             return pos + 1
     return n
+
+
+def answer_comes_back(
+    ended: bool, answer: Sequence[int], answer_text: bytes, think_start_id: int, think_end_id: int
+) -> bool:
+    """Will a follow-up render this answer as its tokens? ``ended``: it stopped on its own end of
+    sentence or at max_tokens (not on a stop string or stop token, which the client never sees,
+    and not aborted: a retry resends the prompt). ``answer``: the prompt's last token (its
+    thinking tag, if any) and the generated ids; ``answer_text`` their bytes. Not when its
+    reasoning is still open (clients drop unfinished reasoning), nor when its bytes are not
+    UTF-8 (a client gets U+FFFD for the broken bytes and sends that back)."""
+    if not ended or reasoning_open(answer, think_start_id, think_end_id):
+        return False
+    try:
+        answer_text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def reasoning_open(tokens: Sequence[int], think_start_id: int, think_end_id: int) -> bool:

@@ -8,6 +8,7 @@ from ds4_vllm.kvc import SaveReason
 from ds4_vllm.store.options import StoreOptions
 from ds4_vllm.store.policy import (
     SaveDecision,
+    answer_comes_back,
     answer_start,
     answer_start_save,
     chat_anchor,
@@ -242,3 +243,17 @@ def test_answer_start_save() -> None:
     assert answer_start_save(D, 5000, {4096}, shutdown=True) == SaveDecision(5000, SaveReason.SHUTDOWN)
     assert answer_start_save(D, 5000, {5000}) is None  # a file holds that length already
     assert answer_start_save(D, 511, set()) is None  # under --kv-cache-min-tokens
+
+
+@pytest.mark.parametrize(
+    ("ended", "answer", "text", "expected"),
+    [
+        (True, [THINK, 5, UNTHINK, 6], b"hello", True),
+        (True, [UNTHINK, 6], "héllo".encode(), True),
+        (False, [UNTHINK, 6], b"hello", False),  # a stop string, a stop token, an abort
+        (True, [THINK, 5, 6], b"hello", False),  # cut inside its reasoning
+        (True, [UNTHINK, 6], "héllo".encode()[:2], False),  # a broken UTF-8 sequence
+    ],
+)
+def test_answer_comes_back(ended: bool, answer: list[int], text: bytes, expected: bool) -> None:
+    assert answer_comes_back(ended, answer, text, THINK, UNTHINK) is expected
