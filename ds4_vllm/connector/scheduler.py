@@ -413,13 +413,16 @@ class Ds4DiskScheduler:
         saves its live state, and for the client's retry of the same prompt."""
         shutdown = self.shutdown_requested
         decisions: list[tuple[SaveDecision | None, bool]] = []  # (save, from the kept frontier)
-        comes_back = self._answer_comes_back(request)
-        if comes_back or shutdown or not state.kept:
+        # Without a frontier, as ds4 does; unless a file already holds the answer's start (the
+        # request loaded it), and then a state after an answer that does not come back is no use.
+        known = state.answer_start in state.saved
+        comes_back = (not state.kept and not known) or self._answer_comes_back(request)
+        if comes_back or shutdown:
             whole = finished_save(
                 self.options, request.num_computed_tokens, state.last_stored, shutdown=shutdown
             )
             decisions.append((whole, False))
-        if state.kept and not comes_back:
+        if not comes_back:
             start = answer_start_save(self.options, state.answer_start, state.saved, shutdown=shutdown)
             decisions.append((start, True))
         jobs: list[SaveJob] = []

@@ -189,9 +189,7 @@ class Ds4DiskWorker:
             frontier = self.layout.extract_frontier(self.caches, job.block_ids, job.n_tokens)
         except StateUnavailable:
             return
-        self.kept.keep(
-            job.req_id, KeptFrontier(job.n_tokens, logits.cpu().numpy().astype(np.float32), frontier)
-        )
+        self.kept.keep(job.req_id, KeptFrontier(job.n_tokens, _host_floats(logits), frontier))
 
     def _logits(self, step: StepHidden | None, block_ids: BlockIds, n_tokens: int) -> torch.Tensor | None:
         group = self.layout.layers[0].raw.group
@@ -209,16 +207,17 @@ class Ds4DiskWorker:
             if kept is None:
                 self._not_saved(job, "no frontier kept where the answer starts")
                 return
-            logits, frontier = torch.from_numpy(kept.logits), kept.frontier
-        if logits is None:
+            host_logits, frontier = kept.logits, kept.frontier
+        elif logits is None:
             self._not_saved(job, "no logits for the last token")
             return
+        else:
+            host_logits = _host_floats(logits)
         try:
             layers = self.layout.extract(self.caches, job.block_ids, n_tokens, frontier)
         except StateUnavailable as exc:
             self._not_saved(job, str(exc))
             return
-        host_logits = logits.cpu().numpy().astype(np.float32)
         nbytes = host_logits.nbytes + _nbytes(layers)
         accepted, waited = self.queue.put(job.ticket.sha1, nbytes, (job, host_logits, layers))
         self.stats.save_wait_seconds += waited
@@ -291,6 +290,11 @@ class Ds4DiskWorker:
             )
         self.queue.close()
         self.thread.join(timeout=5)
+
+
+def _host_floats(logits: torch.Tensor) -> np.ndarray:
+    """Next-token logits as the payload stores them: float32 on the host."""
+    return logits.cpu().numpy().astype(np.float32)
 
 
 def _nbytes(layers: list[LayerArrays]) -> int:
