@@ -42,6 +42,7 @@ from ds4_vllm.kvc import KvcHeader, PayloadHeader, SaveReason, ToolMapEntry, pay
 from ds4_vllm.model.config import routed_expert_quant_bits
 from ds4_vllm.model.kv_layout import Ds4KVLayout
 from ds4_vllm.store import (
+    AnswerEnd,
     CacheDecision,
     CheckpointStore,
     LoadReport,
@@ -446,17 +447,22 @@ class Ds4DiskScheduler:
         """`store.answer_comes_back` for a finished vLLM request."""
         from vllm.v1.request import RequestStatus
 
-        ended = request.status == RequestStatus.FINISHED_LENGTH_CAPPED or (
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            end = AnswerEnd.ABORTED
+        elif request.status == RequestStatus.FINISHED_LENGTH_CAPPED or (
             request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
-        )
+        ):
+            end = AnswerEnd.ENDED
+        else:
+            end = AnswerEnd.STOPPED
         prompt = request.prompt_token_ids or []
         output = list(request.all_token_ids[len(prompt) :])
         return answer_comes_back(
-            ended,
-            list(prompt[-1:]) + output,
+            end,
+            prompt,
+            output,
             self.token_text.text(output),
-            self.think_start_id,
-            self.think_end_id,
+            (self.assistant_id, self.think_start_id, self.think_end_id),
         )
 
     def _on_shutdown_signal(self) -> None:

@@ -7,6 +7,7 @@ See docs/connector.md, "Cache policy and flags".
 from .checkpoint_store import Admission, CheckpointStore, StoreResult
 from .options import StoreConfigError, StoreOptions, default_disk_dir
 from .policy import (
+    AnswerEnd,
     SaveDecision,
     answer_comes_back,
     answer_start,
@@ -27,6 +28,7 @@ from .writer import CheckpointWriter
 
 __all__ = [
     "Admission",
+    "AnswerEnd",
     "CheckpointWriter",
     "LoadReport",
     "WriteQueue",

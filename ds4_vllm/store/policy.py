@@ -12,8 +12,8 @@ keeps one `last_stored` per request:
   generated, before vLLM's memory may drop it) and the `shutdown` save of a request still
   in memory when the server stops gracefully.
 - `answer_start_save` replaces it when the answer will not come back as it was generated
-  (`answer_comes_back`: cut inside its reasoning, which clients drop; stopped by a stop string;
-  aborted; bytes that are not UTF-8): the
+  (`answer_comes_back`: aborted; for a chat render, also cut inside its reasoning, which clients
+  drop, stopped by a stop string, or bytes that are not UTF-8): the
   state where the answer starts, which the follow-up or the retry shares, instead of a
   state after the answer that no later prompt extends.
 
@@ -33,6 +33,7 @@ share a long set-up (tools, system prompt) and part late in it (a folder's path)
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Collection, Sequence
 
 from ds4_vllm.kvc.constants import SaveReason
@@ -213,23 +214,47 @@ def answer_start(prompt_tokens: Sequence[int], assistant_token_id: int) -> int:
     """Where the answer's own text starts in every later rendering of this prompt: just after
     its final `<｜Assistant｜>` when that is among its last two tokens (a thinking tag may follow,
     and a later turn renders an earlier answer after `</think>` in either mode); else its length."""
+    return _assistant_turn_start(prompt_tokens, assistant_token_id) or len(prompt_tokens)
+
+
+def _assistant_turn_start(prompt_tokens: Sequence[int], assistant_token_id: int) -> int | None:
     n = len(prompt_tokens)
     for pos in range(n - 1, max(n - 3, -1), -1):
         if prompt_tokens[pos] == assistant_token_id:
             return pos + 1
-    return n
+    return None
+
+
+class AnswerEnd(enum.Enum):
+    """How a finished request's answer ended, as far as its client's next prompt is concerned."""
+
+    ENDED = "ended"  # its own end of sentence or max_tokens: the client has all of it
+    STOPPED = "stopped"  # a stop string or stop token (a chat client never sees that text)
+    ABORTED = "aborted"  # a retry resends the prompt
 
 
 def answer_comes_back(
-    ended: bool, answer: Sequence[int], answer_text: bytes, think_start_id: int, think_end_id: int
+    end: AnswerEnd,
+    prompt_tokens: Sequence[int],
+    answer: Sequence[int],
+    answer_text: bytes,
+    special: tuple[int, int, int],
 ) -> bool:
-    """Will a follow-up render this answer as its tokens? ``ended``: it stopped on its own end of
-    sentence or at max_tokens (not on a stop string or stop token, which the client never sees,
-    and not aborted: a retry resends the prompt). ``answer``: the prompt's last token (its
-    thinking tag, if any) and the generated ids; ``answer_text`` their bytes. Not when its
+    """Will a follow-up extend this prompt with this answer's tokens? ``answer``: the generated
+    ids, ``answer_text`` their bytes; ``special``: the `<｜Assistant｜>`, `<think>` and `</think>`
+    ids. Not after an abort. For a chat render (a prompt ending in an assistant turn), whose
+    client renders the answer's text again, not when a stop string or token ended it, when its
     reasoning is still open (clients drop unfinished reasoning), nor when its bytes are not
-    UTF-8 (a client gets U+FFFD for the broken bytes and sends that back)."""
-    if not ended or reasoning_open(answer, think_start_id, think_end_id):
+    UTF-8 (a client gets U+FFFD for the broken bytes and sends that back). A raw completion's or
+    token ids' client appends what it got back itself, so only the abort rule applies there."""
+    assistant_id, think_start_id, think_end_id = special
+    if end is AnswerEnd.ABORTED:
+        return False
+    if _assistant_turn_start(prompt_tokens, assistant_id) is None:
+        return True
+    if end is AnswerEnd.STOPPED or reasoning_open(
+        [*prompt_tokens[-1:], *answer], think_start_id, think_end_id
+    ):
         return False
     try:
         answer_text.decode("utf-8")

@@ -55,6 +55,7 @@ EXPECTED_FILES = {
     "evict": {PROMPT_TOKENS + MAX_TOKENS - 1, ANSWER_START},
 }
 UNFINISHED_PROMPT_TOKENS = 4000
+RAW_FED = 3  # the first answer's tokens that the stopped token-id prompt repeats
 
 
 def connector_config(disk_dir) -> dict:
@@ -101,6 +102,12 @@ def scenario(tmp_path_factory):
     llm = make_engine(kv_transfer_config=connector_config(disk_dir))
     try:
         first = llm.generate([{"prompt_token_ids": prompt}], greedy(MAX_TOKENS, logprobs=5))[0]
+        generated = list(first.outputs[0].token_ids)
+        # Token ids, not a chat render, stopped by a stop token: saved where the answer ends.
+        raw_stopped = llm.generate(
+            [{"prompt_token_ids": prompt + generated[:RAW_FED]}],
+            greedy(MAX_TOKENS, stop_token_ids=[generated[RAW_FED + 1]]),
+        )[0]
         thinking_first = llm.generate([{"prompt_token_ids": thinking_prompt}], greedy(MAX_TOKENS))[0]
         continued_path, continued_bytes = decode_until_checkpoint(llm, unfinished, disk_dir, 4096)
     finally:
@@ -115,7 +122,6 @@ def scenario(tmp_path_factory):
         continued_path.write_bytes(continued_bytes)
     with open_checkpoint(continued_path) as ck:
         continued_tokens = [int(t) for t in ck.payload.tokens]
-    generated = list(first.outputs[0].token_ids)
     follow_ups = {
         "evict": prompt + generated + tail_a,
         "cold": prompt[:4571] + tail_b,
@@ -131,6 +137,7 @@ def scenario(tmp_path_factory):
     return {
         "dir": disk_dir,
         "first": first,
+        "raw_stopped": raw_stopped,
         "continued_tokens": continued_tokens,
         "stopped_reason": stopped_reason,
         "unfinished": unfinished,
@@ -209,6 +216,21 @@ def test_an_answer_cut_inside_its_reasoning_is_saved_where_it_starts(scenario):
             if tokens == prompt[: len(tokens)] or tokens[: len(prompt)] == prompt:
                 lengths[ck.header.tokens] = ck.header.reason_name
     assert lengths == {ANSWER_START: "evict", 2570: "cold"}, lengths
+
+
+def test_a_stopped_token_id_prompt_is_saved_where_its_answer_ends(scenario):
+    """A prompt that is not a chat render has no answer start: its client appends what it got
+    back (stop token included), so its finish is saved as ds4 saves it, after the answer."""
+    generated = list(scenario["first"].outputs[0].token_ids)
+    output = scenario["raw_stopped"].outputs[0]
+    assert (output.finish_reason, list(output.token_ids)) == ("stop", generated[RAW_FED : RAW_FED + 2])
+    prompt = scenario["raw_stopped"].prompt_token_ids
+    lengths = {}
+    for path in scenario["dir"].glob("*.kv"):
+        with open_checkpoint(path) as ck:
+            if [int(t) for t in ck.payload.tokens] in (prompt, prompt + generated[RAW_FED : RAW_FED + 1]):
+                lengths[ck.header.tokens] = ck.header.reason_name
+    assert lengths == {len(prompt) + 1: "evict"}, lengths
 
 
 def test_files_are_valid_kvc_checkpoints(scenario):

@@ -7,6 +7,7 @@ import pytest
 from ds4_vllm.kvc import SaveReason
 from ds4_vllm.store.options import StoreOptions
 from ds4_vllm.store.policy import (
+    AnswerEnd,
     SaveDecision,
     answer_comes_back,
     answer_start,
@@ -245,15 +246,26 @@ def test_answer_start_save() -> None:
     assert answer_start_save(D, 511, set()) is None  # under --kv-cache-min-tokens
 
 
+ENDED, STOPPED, ABORTED = AnswerEnd.ENDED, AnswerEnd.STOPPED, AnswerEnd.ABORTED
+CHAT, RAW = [7] * 10 + [A], [7] * 10
+
+
 @pytest.mark.parametrize(
-    ("ended", "answer", "text", "expected"),
+    ("end", "prompt", "answer", "text", "expected"),
     [
-        (True, [THINK, 5, UNTHINK, 6], b"hello", True),
-        (True, [UNTHINK, 6], "héllo".encode(), True),
-        (False, [UNTHINK, 6], b"hello", False),  # a stop string, a stop token, an abort
-        (True, [THINK, 5, 6], b"hello", False),  # cut inside its reasoning
-        (True, [UNTHINK, 6], "héllo".encode()[:2], False),  # a broken UTF-8 sequence
+        (ENDED, CHAT + [THINK], [5, UNTHINK, 6], b"hello", True),
+        (ENDED, CHAT, [UNTHINK, 6], "héllo".encode(), True),
+        (STOPPED, CHAT, [UNTHINK, 6], b"hello", False),  # a stop string or token
+        (ABORTED, CHAT, [UNTHINK, 6], b"hello", False),
+        (ENDED, CHAT + [THINK], [5, 6], b"hello", False),  # cut inside its reasoning
+        (ENDED, CHAT, [UNTHINK, 6], "héllo".encode()[:2], False),  # a broken UTF-8 sequence
+        # not a chat render: the client appends what it got; only a retry resends the prompt
+        (STOPPED, RAW, [5, 6], b"hello", True),
+        (ENDED, RAW + [THINK], [5, 6], "héllo".encode()[:2], True),
+        (ABORTED, RAW, [5, 6], b"hello", False),
     ],
 )
-def test_answer_comes_back(ended: bool, answer: list[int], text: bytes, expected: bool) -> None:
-    assert answer_comes_back(ended, answer, text, THINK, UNTHINK) is expected
+def test_answer_comes_back(
+    end: AnswerEnd, prompt: list[int], answer: list[int], text: bytes, expected: bool
+) -> None:
+    assert answer_comes_back(end, prompt, answer, text, (A, THINK, UNTHINK)) is expected
