@@ -8,6 +8,11 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# vLLM compiles the model body at every engine or server start unless told not to (a minute
+# here per start); engines and servers started by tests run it eager (`enforce_eager`'s path:
+# vLLM reads this variable as `-cc.mode=none`), except tests/model/test_compiled.py, which
+# shows that compiled and eager answer alike.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -272,6 +272,8 @@ class Ds4Attention(nn.Module):
             Split(0, heads, config.num_attention_heads) if split else None,
         )
 
+        #: `attend` as an op opaque to torch.compile (`ds4_vllm.model.step_ops`); None: called directly.
+        self.step_attention: Callable[..., torch.Tensor] | None = None
         self.swa_cache = states.raw_window(f"{prefix}.swa_cache", self.head_dim, self.window, dtype)
         self.compressor: Compressor | None = None
         if self.ratio:
@@ -297,24 +299,25 @@ class Ds4Attention(nn.Module):
         q = rms_norm(self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim), self.eps)
         q = self.rope(q, positions)
         kv = self.rope(self.kv_norm(self.kv_proj(y)), positions)
-        if self.finish_kv is not None:
-            kv = self.finish_kv(kv)
 
-        if metadata is None:
-            # Profiling / warm-up run: no cache is bound, no state to read or write.
-            out = torch.zeros_like(q)
+        if self.step_attention is not None:
+            out = self.step_attention(q, kv, q_res, y, positions)
         else:
-            out = self._attend(q, kv, q_res, y, positions, metadata)
+            out = self.attend(q, kv, q_res, y, positions, metadata)
 
         out = self.rope(out, positions, inverse=True)
-        grouped = out.reshape(n, self.o_groups, -1)
-        weight = self.o_a_proj.dequantized_weight(grouped.dtype).view(self.o_groups, -1, grouped.shape[-1])
-        z = torch.einsum("tgi,goi->tgo", grouped, weight).reshape(n, -1)
+        z = self.o_a_proj.grouped(out.reshape(n, self.o_groups, -1)).reshape(n, -1)
         return self.tp.all_reduce(self.o_b_proj(z))
 
-    def _attend(self, q, kv, q_res, y, positions, metadata: dict) -> torch.Tensor:
+    def attend(self, q, kv, q_res, y, positions, metadata: dict | None) -> torch.Tensor:
+        """Store the step's rows in the caches, then attend: the per-step, data-dependent part."""
+        if metadata is None:
+            # Profiling / warm-up run: no cache is bound, no state to read or write.
+            return torch.zeros_like(q)
         swa_meta: Ds4CacheMetadata = metadata[self.swa_cache.prefix]
         plan = swa_meta.plan
+        if self.finish_kv is not None:  # here, not in the compiled graph: exact FP8 rounding
+            kv = self.finish_kv(kv)
         self.swa_cache.write(swa_meta, plan.token_req, positions, kv)
         if self.compressor is not None:
             self.compressor.update(y, positions, plan, metadata)

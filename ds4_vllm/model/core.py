@@ -9,7 +9,7 @@ check (``scripts/gpu_check.py``) drive it directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -103,7 +103,8 @@ class Ds4CausalLM(nn.Module):
     """The decoder stack and the LM head, with checkpoint loading: the whole model without vLLM.
 
     ``config`` is a `Ds4Config`; under tensor parallelism ``tp`` names this rank's part (heads,
-    output groups, experts, vocabulary rows); ``states`` as for `Ds4Model`.
+    output groups, experts, vocabulary rows); ``states`` as for `Ds4Model`; ``body`` builds the
+    `Ds4Model` (vLLM's plugin builds a subclass vLLM compiles).
     """
 
     def __init__(
@@ -113,10 +114,11 @@ class Ds4CausalLM(nn.Module):
         tp: TpGroup = SINGLE,
         states: type[PagedState] = PagedState,
         prefix: str = "model",
+        body: Callable[..., Ds4Model] = Ds4Model,
     ) -> None:
         super().__init__()
         self.config, self.dtype, self.tp = config, dtype, tp
-        self.model = Ds4Model(config, prefix, dtype, tp, states)
+        self.model = body(config, prefix, dtype, tp, states)
         vocab_rows = tp.part(config.vocab_size, "the vocabulary size")
         self.lm_head = QuantLinear(
             config.hidden_size,

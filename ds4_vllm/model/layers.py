@@ -45,7 +45,12 @@ def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     run in numpy on the same memory (bit-identical to torch's, see test_hyper_connection.py,
     and about 2.5x faster per call); elsewhere torch ops into preallocated sum buffers.
     """
-    if comb.device.type == "cpu" and comb.dtype == torch.float32 and not comb.requires_grad:
+    if (
+        comb.device.type == "cpu"
+        and comb.dtype == torch.float32
+        and not comb.requires_grad
+        and not torch.compiler.is_compiling()
+    ):
         c = comb.numpy()
         eps32 = np.float32(eps)
         c /= c.sum(axis=-2, keepdims=True) + eps32
@@ -242,7 +247,10 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(
             config.hidden_size, config.moe_intermediate_size, config.swiglu_limit, tp
         )
+        #: `experts` as an op opaque to torch.compile (`ds4_vllm.model.step_ops`); None: called directly.
+        self.routed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         weights, indices = self.gate(x, input_ids)
-        return self.tp.all_reduce(self.experts(x, indices, weights) + self.shared_experts(x))
+        routed = self.routed if self.routed is not None else self.experts
+        return self.tp.all_reduce(routed(x, indices, weights) + self.shared_experts(x))

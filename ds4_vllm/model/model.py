@@ -1,27 +1,32 @@
 """``Ds4ForCausalLM``: the decoder stack of ``core.py`` as a vLLM model.
 
 Per-sequence state lives in vLLM's paged KV cache (each state a `cache_layers.Ds4CacheLayer`),
-so vLLM's scheduler batches requests, chunks prefills and reuses prefixes. This module reads
-vLLM's forward context, leaves the step's hidden states for the ds4disk connector, and loads
-checkpoints.
+so vLLM's scheduler batches requests, chunks prefills and reuses prefixes. The decoder body is
+compiled by vLLM on the CPU (``@support_torch_compile``) unless ``enforce_eager``; attention, the
+routed experts and packed projections run as custom ops outside the graph (`step_ops`). This
+module reads vLLM's forward context, leaves the step's hidden states for the ds4disk connector,
+and loads checkpoints.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import torch
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
+from vllm.platforms import current_platform
 
 from ds4_vllm.contracts import STEP_HIDDEN_KEY
 from ds4_vllm.model.cache_layers import Ds4CacheLayer
-from ds4_vllm.model.core import Ds4CausalLM
+from ds4_vllm.model.core import Ds4CausalLM, Ds4Model
 from ds4_vllm.model.cpu_kernels import use_vllm_cpu_kernels
-from ds4_vllm.model.paged_state import BatchPlan, Ds4CacheMetadata
+from ds4_vllm.model.paged_state import BatchPlan, Ds4CacheMetadata, PagedState
 from ds4_vllm.model.parallel import TpGroup
+from ds4_vllm.model.step_ops import bind_packed_linears, bind_step_ops, step_metadata
 
 
 @dataclass
@@ -63,6 +68,48 @@ class StepHidden:
         return None
 
 
+def _compiles_here(vllm_config: VllmConfig) -> bool:
+    """Compiled on the CPU only, for now: elsewhere vLLM would also capture pieces of the graph in
+    CUDA graphs, and the attention op (host-side logic per step) must be one of its splitting ops
+    first; no GPU has run that yet (`scripts/gpu_check.sh`). Off the CPU the body runs eager, with
+    the full decode graphs of `cache_layers`."""
+    return current_platform.is_cpu()
+
+
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=_compiles_here
+)
+class Ds4CompiledBody(Ds4Model):
+    """`Ds4Model` as vLLM compiles it: no metadata argument (attention reads it from the forward
+    context inside its op, `step_ops`), so the traced graph holds only this step's tensors."""
+
+    def __init__(
+        self,
+        *,
+        vllm_config: VllmConfig,
+        prefix: str,
+        config,
+        dtype: torch.dtype,
+        tp: TpGroup,
+        states: type[PagedState],
+    ) -> None:
+        super().__init__(config, prefix, dtype, tp, states)
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return super().forward(input_ids, positions, inputs_embeds, None)
+
+
+def _compiled_body(vllm_config: VllmConfig, config, prefix: str, dtype, tp, states) -> Ds4CompiledBody:
+    return Ds4CompiledBody(
+        vllm_config=vllm_config, prefix=prefix, config=config, dtype=dtype, tp=tp, states=states
+    )
+
+
 class Ds4ForCausalLM(Ds4CausalLM):
     """vLLM model class registered as ``Ds4ForCausalLM`` (see ``ds4_vllm.register``).
 
@@ -77,11 +124,15 @@ class Ds4ForCausalLM(Ds4CausalLM):
             TpGroup.current(),
             states=Ds4CacheLayer,
             prefix=f"{prefix}.model" if prefix else "model",
+            body=partial(_compiled_body, vllm_config),
         )
+        self.vllm_config = vllm_config
+        bind_step_ops(self.model, vllm_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
         use_vllm_cpu_kernels(self)  # a no-op off the CPU
+        bind_packed_linears(self.model, self.vllm_config)
         return loaded
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -95,18 +146,12 @@ class Ds4ForCausalLM(Ds4CausalLM):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        metadata = get_forward_context().attn_metadata
-        if isinstance(metadata, list):  # micro-batched steps are not used by this model
-            metadata = metadata[0] if metadata else None
+        metadata = step_metadata(get_forward_context().attn_metadata)
         total = positions.shape[0]
-        count = total
-        if metadata:
-            count = next(iter(metadata.values())).plan.num_tokens
-        else:
-            metadata = None
+        count = total if metadata is None else next(iter(metadata.values())).plan.num_tokens
         ids = input_ids[:count] if input_ids is not None else None
         embeds = inputs_embeds[:count] if inputs_embeds is not None else None
-        hidden = self.model(ids, positions[:count], embeds, metadata)
+        hidden = self.model(ids, positions[:count], embeds)
         if metadata is not None:
             first_raw = metadata[self.model.layers[0].self_attn.swa_cache.prefix]
             step = StepHidden.capture(hidden, first_raw, self.compute_logits)

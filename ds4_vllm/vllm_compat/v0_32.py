@@ -49,12 +49,18 @@
    after. The per-request generator then advances only for tokens the request keeps, on every
    device, so the same seed gives the same tokens whatever the chunk size, and a prompt
    restored from disk (fewer prefill chunks) samples what the cold run samples.
+9. The compile cache on the CPU. There vLLM compiles the model body (`Ds4CompiledBody`) in its
+   DYNAMO_TRACE_ONCE mode with the plain "inductor" backend, saves an AOT artifact, and at the
+   next start cannot load it ("'function' object has no attribute 'finalize_loading'", logged
+   as a warning) and compiles again. On the CPU, unless `VLLM_USE_AOT_COMPILE` is set, we set it
+   to 0: no futile save and no warning; Inductor's own caches still shorten a second start.
 """
 
 from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import sys
 from typing import Any
 
@@ -97,6 +103,9 @@ PATCHED_NAMES: dict[str, str] = {
     ),
     "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm": (
         "relied on: ds4_vllm.model.cpu_kernels binds vLLM's CPU GEMM to the model's float projections"
+    ),
+    "vllm.envs.VLLM_USE_AOT_COMPILE": (
+        "environment default set to 0 on the CPU: its AOT artifacts do not load back (see item 9)"
     ),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync": (
         "relied on: rewinds discarded rows' generators with CUDA-only set_offset (see item 8)"
@@ -149,6 +158,7 @@ def apply() -> None:
     record_request_outputs()
     load_ds4_endpoint_plugin_by_default()
     keep_generators_of_discarded_rows()
+    skip_cpu_aot_compile_cache()
 
 
 def resolve_default_model_name() -> None:
@@ -313,3 +323,11 @@ def _take_discarded_generators(runner: Any) -> dict[int, Any]:
 
     discarded = np.flatnonzero(runner.discard_request_mask.np[: batch.num_reqs])
     return {int(i): batch.generators.pop(int(i)) for i in discarded if int(i) in batch.generators}
+
+
+def skip_cpu_aot_compile_cache() -> None:
+    """On the CPU, compile without vLLM's AOT artifact unless the user chose (see item 9)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")

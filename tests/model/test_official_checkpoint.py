@@ -44,13 +44,16 @@ def test_loader_keeps_the_release_packed_and_equal_to_transformers_dequantizatio
     from types import SimpleNamespace
 
     from safetensors.torch import load_file
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
 
     from ds4_vllm.model.config_parser import Ds4ConfigParser
     from ds4_vllm.model.model import Ds4ForCausalLM
 
     _, config = Ds4ConfigParser().parse(official_dir, trust_remote_code=False)
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.float32))
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=config, dtype=torch.float32),
+        compilation_config=CompilationConfig(mode=CompilationMode.NONE),  # what `enforce_eager` sets
+    )
     with set_current_vllm_config(VllmConfig()):  # a fresh registry of cache-layer names
         model = Ds4ForCausalLM(vllm_config=vllm_config)
     model.load_weights(load_file(str(official_dir / "model.safetensors")).items())

@@ -215,12 +215,15 @@ def test_every_weight_lands_on_the_device_the_model_was_built_on(kind: str, tmp_
     form), every parameter, buffer and packed weight is on meta."""
     from types import SimpleNamespace
 
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
 
     from ds4_vllm.model.model import Ds4ForCausalLM
 
     config, weights = _checkpoint(kind, tmp_path)
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.bfloat16))
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=config, dtype=torch.bfloat16),
+        compilation_config=CompilationConfig(mode=CompilationMode.NONE),  # what `enforce_eager` sets
+    )
     with set_current_vllm_config(VllmConfig()), torch.device("meta"):
         model = Ds4ForCausalLM(vllm_config=vllm_config)
     model.load_weights(weights)

@@ -186,6 +186,13 @@ class QuantLinear(_PackedWeightHolder):
         #: A faster GEMM bound to this layer's float CPU weight (`ds4_vllm.model.cpu_kernels`), used
         #: for CPU inputs of the weight's dtype; None: `quant_linear`.
         self.fast_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
+        #: `project` as an op opaque to torch.compile, for packed weights under vLLM
+        #: (`ds4_vllm.model.step_ops`): their unpacking reads values on the host. None: called directly.
+        self.packed_op: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+
+    @property
+    def is_packed(self) -> bool:
+        return self.qtype is not None
 
     def set_weight(self, w: WeightLike) -> None:
         """Install the whole checkpoint's [out, in] weight (this rank keeps its part): float or packed."""
@@ -198,6 +205,22 @@ class QuantLinear(_PackedWeightHolder):
         return dequantize(w, dtype=dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_op is not None:
+            return self.packed_op(x, 0)
+        return self.project(x, 0)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """[t, g, in/g] -> [t, g, out/g]: group ``j`` of the input through rows ``j`` of the
+        output (a block-diagonal weight, as DeepSeek V4's grouped output projection)."""
+        if self.packed_op is not None:
+            return self.packed_op(x, x.shape[1])
+        return self.project(x, x.shape[1])
+
+    def project(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        """``forward`` (``groups`` 0) or ``grouped`` (``groups``: x's dim 1), computed here."""
+        if groups:
+            weight = self.dequantized_weight(x.dtype).view(groups, -1, x.shape[-1])
+            return torch.einsum("tgi,goi->tgo", x, weight)
         fast = self.fast_linear
         if fast is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
             return fast(x)

@@ -1,0 +1,117 @@
+"""Issue 19: vLLM's compiled model body answers as ``enforce_eager`` does, and is as accurate.
+
+Three engines per checkpoint, one after the other: a float32 eager reference, bf16 eager, and
+bf16 compiled (the default mode: `Ds4CompiledBody` under ``@support_torch_compile``; on this
+CPU Dynamo traced once and Inductor's C++ code, attention, the routed experts and packed
+projections as ops outside the graph, `ds4_vllm.model.step_ops`). The same prompts (1,200 and
+300 tokens, prefilled together, then 8 greedy steps).
+
+Compiling changes how bf16 sums round (Inductor keeps float32 inside a fused chain where eager
+rounds after every op), so logits differ from eager's by bf16 noise, not by a constant:
+measured on the default model (2026-12-07, 1,498 prompt positions) against the float32
+reference, eager bf16 had max 0.212 / p99 0.078 / median 0.0087 and compiled bf16 max 0.265 /
+p99 0.053 / median 0.0081 (compiled against eager: max 0.281). The tests therefore ask that
+compiling costs no accuracy (its p99 and median within 1.25x eager's, its max within 2x), and
+that the greedy answers are eager's except where eager itself saw a near-tie: a first
+differing token is allowed only where eager's top two log-probs were closer than
+``NEAR_TIE`` (above the largest compiled-vs-eager gap measured); the answers must agree
+before it. A wrong graph (a misplaced op, a stale input) moves log-probs by whole units.
+
+CI runs the default model; `ds4-tiny-q2` (GGUF) and the official-format checkpoint are `heavy`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.model.engine_helpers import greedy, make_engine, random_prompts, shutdown_engine
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTHS = [1200, 300]
+DECODE_STEPS = 8
+NEAR_TIE = 0.3
+COMPILE_OFF = "TORCH_COMPILE_DISABLE"  # tests/conftest.py sets it for every other engine
+
+
+def checkpoint_kwargs(name: str, work) -> dict:
+    if name == "default":
+        return {}
+    if name == "ds4-tiny-q2":
+        from ds4_vllm.model.tiny_gguf import tiny_gguf_file
+
+        return {"model": str(tiny_gguf_file(name))}
+    from ds4_vllm.model.default_model import default_model_dir
+    from tests.model.quantized_checkpoints import write_official_checkpoint
+
+    return {
+        "model": str(write_official_checkpoint(work / "official", default_model_dir())),
+        "config_format": "ds4",
+    }
+
+
+def run_engine(kwargs: dict, prompts: list[list[int]], dtype: str, compiled: bool):
+    saved = os.environ.pop(COMPILE_OFF, None) if compiled else None
+    try:
+        llm = make_engine(dtype=dtype, enforce_eager=not compiled, enable_prefix_caching=False, **kwargs)
+    finally:
+        if saved is not None:
+            os.environ[COMPILE_OFF] = saved
+    try:
+        params = greedy(DECODE_STEPS, logprobs=2, prompt_logprobs=0)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        shutdown_engine(llm)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "default",
+        pytest.param("ds4-tiny-q2", marks=pytest.mark.heavy),
+        pytest.param("official", marks=pytest.mark.heavy),
+    ],
+)
+def runs(request, tmp_path_factory):
+    kwargs = checkpoint_kwargs(request.param, tmp_path_factory.mktemp("checkpoint"))
+    prompts = random_prompts(PROMPT_LENGTHS, seed=7)
+    return {
+        "prompts": prompts,
+        "reference": run_engine(kwargs, prompts, "float32", compiled=False),
+        "eager": run_engine(kwargs, prompts, "bfloat16", compiled=False),
+        "compiled": run_engine(kwargs, prompts, "bfloat16", compiled=True),
+    }
+
+
+def prompt_gaps(outputs, reference, prompts) -> list[float]:
+    return sorted(
+        abs(o.prompt_logprobs[i][p[i]].logprob - r.prompt_logprobs[i][p[i]].logprob)
+        for o, r, p in zip(outputs, reference, prompts, strict=True)
+        for i in range(1, len(p))
+    )
+
+
+def test_compiling_costs_no_accuracy(runs) -> None:
+    eager = prompt_gaps(runs["eager"], runs["reference"], runs["prompts"])
+    compiled = prompt_gaps(runs["compiled"], runs["reference"], runs["prompts"])
+
+    def at(gaps: list[float], q: float) -> float:
+        return gaps[int(q * (len(gaps) - 1))]
+
+    summary = {q: (at(compiled, q), at(eager, q)) for q in (0.5, 0.99, 1.0)}
+    assert at(compiled, 0.5) <= 1.25 * at(eager, 0.5), summary
+    assert at(compiled, 0.99) <= 1.25 * at(eager, 0.99), summary
+    assert compiled[-1] <= 2 * eager[-1], summary
+
+
+def test_compiled_answers_with_eagers_tokens(runs) -> None:
+    for eager, compiled in zip(runs["eager"], runs["compiled"], strict=True):
+        expected, got = list(eager.outputs[0].token_ids), list(compiled.outputs[0].token_ids)
+        for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+            if want == have:
+                continue
+            top = sorted((lp.logprob for lp in eager.outputs[0].logprobs[step].values()), reverse=True)
+            assert top[0] - top[1] < NEAR_TIE, (step, expected, got, top)
+            break  # the answers part here; what follows is another continuation
