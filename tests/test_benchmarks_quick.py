@@ -112,7 +112,9 @@ def test_a_parts_tables_and_plots_go_into_the_report() -> None:
     assert part_markdown("micro", {"skipped": "failed: x"}) == ["## micro", "", "Skipped: failed: x", ""]
 
 
+# heavy: about 80 s (a real server and the whole quick report); CI keeps the parts above.
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_quick_report_against_a_real_server(tmp_path) -> None:
     report = run_report(tmp_path, TINY, mode="quick", systems=["ds4disk"], parts=False)
     written = json.loads((tmp_path / "report.json").read_text())

@@ -26,7 +26,9 @@ from tests.model.engine_helpers import (
     shutdown_engine,
 )
 
-pytestmark = pytest.mark.slow
+# heavy: three engines (one of two ranks), about 80 s; CI keeps the shard
+# arithmetic (tests/model/test_tensor_parallel_parts.py).
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 MAX_TOKENS = 8
 # |Δ log-prob| between 1 and 2 ranks on the same float32 weights: the ranks' partial sums are

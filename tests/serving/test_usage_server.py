@@ -291,6 +291,7 @@ def memory_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.heavy  # a second server, about 55 s; CI keeps the ds4disk server above
 def test_without_ds4disk_memory_hits_are_reported_and_counted(memory_run) -> None:
     for route in ROUTES:
         cold, warm = memory_run[route]
