@@ -69,11 +69,12 @@ class StepHidden:
 
 
 def _compiles_here(vllm_config: VllmConfig) -> bool:
-    """Compiled on the CPU only, for now: elsewhere vLLM would also capture pieces of the graph in
-    CUDA graphs, and the attention op (host-side logic per step) must be one of its splitting ops
-    first; no GPU has run that yet (`scripts/gpu_check.sh`). Off the CPU the body runs eager, with
-    the full decode graphs of `cache_layers`."""
-    return current_platform.is_cpu()
+    """Compiled on the CPU with one rank, for now. Elsewhere vLLM would also capture pieces of the
+    graph in CUDA graphs, and the attention op (host-side logic per step) must be one of its
+    splitting ops first; no GPU has run that yet (`scripts/gpu_check.sh`). Off the CPU the body
+    runs eager, with the full decode graphs of `cache_layers`. Under tensor parallelism the
+    all-reduces would be in the graph: untested, so eager too."""
+    return current_platform.is_cpu() and TpGroup.current().size == 1
 
 
 @support_torch_compile(
