@@ -85,21 +85,19 @@ def load_config(model: str) -> Any:
 
 
 def build_direct_model(model: str) -> tuple[Any, Any]:
-    """(`Ds4ForCausalLM` outside an engine, its config) for the default model or a model directory."""
-    from types import SimpleNamespace
-
+    """(The model outside an engine, its config) for the default model or a model directory: the
+    core that `Ds4ForCausalLM` wraps, on vLLM's CPU kernels as it binds them, eager."""
     import torch
     from safetensors.torch import load_file
-    from vllm.config import VllmConfig, set_current_vllm_config
 
-    from ds4_vllm.model.model import Ds4ForCausalLM
+    from ds4_vllm.model.core import build_model
+    from ds4_vllm.model.cpu_kernels import use_vllm_cpu_kernels
 
     config, path = load_config(model)
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.float32))
-    with set_current_vllm_config(VllmConfig()):  # a fresh registry of cache-layer names
-        net = Ds4ForCausalLM(vllm_config=vllm_config)
+    net = build_model(config, torch.float32)
     for file in sorted(Path(path).glob("*.safetensors")):
         net.load_weights(load_file(str(file)).items())
+    use_vllm_cpu_kernels(net)
     return net.eval(), config
 
 

@@ -40,16 +40,15 @@ def dequantized_dir(gguf_path: Path, dest: Path) -> Path:
 
 
 def load_seconds(model_path: Path) -> float:
-    """Wall time of building `Ds4ForCausalLM` and loading the file into it, without an engine."""
-    from types import SimpleNamespace
-
+    """Wall time of building the model and loading the file into it, without an engine (what
+    `Ds4ForCausalLM` does: the core, then vLLM's CPU kernels bound)."""
     import torch
     from safetensors.torch import safe_open
-    from vllm.config import VllmConfig, set_current_vllm_config
 
     from ds4_vllm.model.config import Ds4Config
+    from ds4_vllm.model.core import build_model
+    from ds4_vllm.model.cpu_kernels import use_vllm_cpu_kernels
     from ds4_vllm.model.gguf_file import Ds4GgufFile
-    from ds4_vllm.model.model import Ds4ForCausalLM
 
     started = time.perf_counter()
     if model_path.is_file():
@@ -59,10 +58,9 @@ def load_seconds(model_path: Path) -> float:
         config = Ds4Config.from_pretrained(model_path)
         handle = safe_open(str(model_path / "model.safetensors"), framework="pt")
         weights = ((name, handle.get_tensor(name)) for name in handle.keys())  # noqa: SIM118
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config, dtype=torch.float32))
-    with set_current_vllm_config(VllmConfig()):
-        model = Ds4ForCausalLM(vllm_config=vllm_config)
+    model = build_model(config, torch.float32)
     model.load_weights(weights)
+    use_vllm_cpu_kernels(model)  # as Ds4ForCausalLM.load_weights does
     return time.perf_counter() - started
 
 

@@ -43,7 +43,8 @@ def sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     Each step is ``comb / (comb.sum(dim) + eps)`` in float32. A decode step runs this 12 times
     with ~40 steps of tiny tensors each, so per-op overhead is the whole cost: on CPU the steps
     run in numpy on the same memory (bit-identical to torch's, see test_hyper_connection.py,
-    and about 2.5x faster per call); elsewhere torch ops into preallocated sum buffers.
+    and about 2.5x faster per call); elsewhere, and while torch.compile traces it (numpy is
+    opaque to the graph), torch ops into preallocated sum buffers.
     """
     if (
         comb.device.type == "cpu"

@@ -17,7 +17,11 @@ differing token is allowed only where eager's top two log-probs were closer than
 ``NEAR_TIE`` (above the largest compiled-vs-eager gap measured); the answers must agree
 before it. A wrong graph (a misplaced op, a stale input) moves log-probs by whole units.
 
-CI runs the default model; `ds4-tiny-q2` (GGUF) and the official-format checkpoint are `heavy`.
+In float32 the reference is the eager engine itself, and compiled float32 must stay within
+`ROUND_OFF` of it (summation order only; the bound of tests/connector/test_restore_exactness.py).
+
+CI runs the default model in bf16; float32, `ds4-tiny-q2` (GGUF) and the official-format
+checkpoint are `heavy`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ pytestmark = pytest.mark.slow
 PROMPT_LENGTHS = [1200, 300]
 DECODE_STEPS = 8
 NEAR_TIE = 0.3
+ROUND_OFF = 1e-3
 COMPILE_OFF = "TORCH_COMPILE_DISABLE"  # tests/conftest.py sets it for every other engine
 
 
@@ -69,19 +74,24 @@ def run_engine(kwargs: dict, prompts: list[list[int]], dtype: str, compiled: boo
 @pytest.fixture(
     scope="module",
     params=[
-        "default",
-        pytest.param("ds4-tiny-q2", marks=pytest.mark.heavy),
-        pytest.param("official", marks=pytest.mark.heavy),
+        ("default", "bfloat16"),
+        pytest.param(("default", "float32"), marks=pytest.mark.heavy),
+        pytest.param(("ds4-tiny-q2", "bfloat16"), marks=pytest.mark.heavy),
+        pytest.param(("official", "bfloat16"), marks=pytest.mark.heavy),
     ],
+    ids=lambda p: "-".join(p),
 )
 def runs(request, tmp_path_factory):
-    kwargs = checkpoint_kwargs(request.param, tmp_path_factory.mktemp("checkpoint"))
+    checkpoint, dtype = request.param
+    kwargs = checkpoint_kwargs(checkpoint, tmp_path_factory.mktemp("checkpoint"))
     prompts = random_prompts(PROMPT_LENGTHS, seed=7)
+    reference = run_engine(kwargs, prompts, "float32", compiled=False)
     return {
+        "dtype": dtype,
         "prompts": prompts,
-        "reference": run_engine(kwargs, prompts, "float32", compiled=False),
-        "eager": run_engine(kwargs, prompts, "bfloat16", compiled=False),
-        "compiled": run_engine(kwargs, prompts, "bfloat16", compiled=True),
+        "reference": reference,
+        "eager": reference if dtype == "float32" else run_engine(kwargs, prompts, dtype, compiled=False),
+        "compiled": run_engine(kwargs, prompts, dtype, compiled=True),
     }
 
 
@@ -94,13 +104,18 @@ def prompt_gaps(outputs, reference, prompts) -> list[float]:
 
 
 def test_compiling_costs_no_accuracy(runs) -> None:
-    eager = prompt_gaps(runs["eager"], runs["reference"], runs["prompts"])
     compiled = prompt_gaps(runs["compiled"], runs["reference"], runs["prompts"])
+    if runs["dtype"] == "float32":
+        print(f"float32 compiled |Δ log-prob| max {compiled[-1]}")  # shown with -s
+        assert compiled[-1] < ROUND_OFF
+        return
+    eager = prompt_gaps(runs["eager"], runs["reference"], runs["prompts"])
 
     def at(gaps: list[float], q: float) -> float:
         return gaps[int(q * (len(gaps) - 1))]
 
     summary = {q: (at(compiled, q), at(eager, q)) for q in (0.5, 0.99, 1.0)}
+    print(f"|Δ log-prob| to float32, quantile: (compiled, eager) {summary}")  # shown with -s
     assert at(compiled, 0.5) <= 1.25 * at(eager, 0.5), summary
     assert at(compiled, 0.99) <= 1.25 * at(eager, 0.99), summary
     assert compiled[-1] <= 2 * eager[-1], summary
