@@ -7,18 +7,22 @@ projections as ops outside the graph, `ds4_vllm.model.step_ops`). The same promp
 300 tokens, prefilled together, then 8 greedy steps).
 
 Compiling changes how bf16 sums round (Inductor keeps float32 inside a fused chain where eager
-rounds after every op), so logits differ from eager's by bf16 noise, not by a constant:
-measured on the default model (2026-12-07, 1,498 prompt positions) against the float32
-reference, eager bf16 had max 0.212 / p99 0.078 / median 0.0087 and compiled bf16 max 0.265 /
-p99 0.053 / median 0.0081 (compiled against eager: max 0.281). The tests therefore ask that
-compiling costs no accuracy (its p99 and median within 1.25x eager's, its max within 2x), and
+rounds after every op), so logits differ from eager's by bf16 noise, not by a constant.
+Measured 2026-12-07 (1,498 prompt positions), |Δ log-prob| to the float32 reference as
+(compiled, eager) for median / p99 / max: default (0.0081, 0.0087) / (0.053, 0.078) /
+(0.265, 0.212); ds4-tiny-q2 (0.0099, 0.0099) / (0.099, 0.107) / (0.237, 0.260); official
+(0.0089, 0.0091) / (0.104, 0.083) / (0.286, 0.256); compiled against eager up to 0.281. The
+ratios compiled / eager: medians 0.93-1.00, p99 0.68-1.24, max 0.91-1.25. The tests therefore
+ask that compiling costs no accuracy (median within 1.25x eager's, p99 within 1.5x, max within
+2x; a misplaced op or a stale input moves the median by 0.4, 40x, as one did), and
 that the greedy answers are eager's except where eager itself saw a near-tie: a first
 differing token is allowed only where eager's top two log-probs were closer than
 ``NEAR_TIE`` (above the largest compiled-vs-eager gap measured); the answers must agree
-before it. A wrong graph (a misplaced op, a stale input) moves log-probs by whole units.
+before it.
 
 In float32 the reference is the eager engine itself, and compiled float32 must stay within
-`ROUND_OFF` of it (summation order only; the bound of tests/connector/test_restore_exactness.py).
+`ROUND_OFF` of it (summation order only, measured 4.8e-6; the bound of
+tests/connector/test_restore_exactness.py).
 
 CI runs the default model in bf16; float32, `ds4-tiny-q2` (GGUF) and the official-format
 checkpoint are `heavy`.
@@ -117,7 +121,7 @@ def test_compiling_costs_no_accuracy(runs) -> None:
     summary = {q: (at(compiled, q), at(eager, q)) for q in (0.5, 0.99, 1.0)}
     print(f"|Δ log-prob| to float32, quantile: (compiled, eager) {summary}")  # shown with -s
     assert at(compiled, 0.5) <= 1.25 * at(eager, 0.5), summary
-    assert at(compiled, 0.99) <= 1.25 * at(eager, 0.99), summary
+    assert at(compiled, 0.99) <= 1.5 * at(eager, 0.99), summary
     assert compiled[-1] <= 2 * eager[-1], summary
 
 
