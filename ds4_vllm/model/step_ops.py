@@ -5,12 +5,13 @@ once and Inductor's C++ code). Three parts cannot be in that graph: attention wi
 writes, compressors and indexer (they read each step's `Ds4CacheMetadata`, whose shapes and
 addresses change every step, and the request loop of a prefill), the routed experts (which
 experts run, and on how many tokens, is known only from the router's output), and projections
-through packed weights (unpacking reads block indices on the host). Each is one op here, opaque to the compiler, that finds its layer by name in vLLM's forward context and runs
-the layer's eager code, as vLLM's own `unified_attention` and `moe_forward` ops do. Their
-outputs are contiguous, as their fake implementations tell the compiler: the compiled code
-reads them with those strides (the grouped output projection's einsum returned a permuted
-tensor, and the compiled q2 model's log-probs were 0.4 off eager's). The same
-ops run under ``enforce_eager``, so both modes compute the same.
+through packed weights (unpacking reads block indices on the host). Each is one op here, opaque
+to the compiler, that finds its layer by name in vLLM's forward context and runs the layer's
+eager code, as vLLM's own `unified_attention` and `moe_forward` ops do. Their outputs are
+contiguous, as their fake implementations tell the compiler: the compiled code reads them with
+those strides (the grouped output projection's einsum returned a permuted tensor, and the
+compiled q2 model's log-probs were 0.4 off eager's). The same ops run under ``enforce_eager``,
+so both modes compute the same.
 """
 
 from __future__ import annotations
