@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import json
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -261,7 +262,10 @@ def engine_measurements(
             decode = decode_step(llm, timer, config, decode_context, decode_tokens, repeats)
         finally:
             shutdown_engine(llm)
-    return {"prefill": prefill, "decode_batch1": decode}
+    # The engine core ran in this process: its weights, caches and transient buffers included.
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"  peak resident memory: {peak_rss / 2**30:.2f} GiB", flush=True)
+    return {"prefill": prefill, "decode_batch1": decode, "peak_rss_bytes": peak_rss}
 
 
 def decode_step(

@@ -8,7 +8,10 @@ model with dequantized float weights, side by side in one run, and load time aga
 For each quant, the float side is the GGUF dequantized by gguf-py (`tests/model/
 quantized_checkpoints.py`) and written as a safetensors directory with the GGUF's own config, so
 both engines run the same model (official numerics on, as for any GGUF) and only the weight
-storage differs: packed blocks dequantized on use vs float32 tensors. Prefill and decode are
+storage differs: packed blocks used through the fused kernels (`quant/fused.py`) or dequantized
+on use vs float32 tensors. A third engine serves the GGUF with torch.compile off
+(``TORCH_COMPILE_DISABLE=1``: no fused kernels, every packed weight dequantized on use), the
+path before the kernels, for their before/after ratio. Prefill and decode are
 measured as in bench_model.py (best of --repeats, after a warm-up). Load time is
 `Ds4ForCausalLM.load_weights` over the file in this process (GGUF: memory-mapped, no engine);
 engine start-up is `LLM(...)` wall time. Writes benchmarks/results/quantized_speed.json.
@@ -17,6 +20,8 @@ engine start-up is `LLM(...)` wall time. Writes benchmarks/results/quantized_spe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -72,6 +77,20 @@ def file_bytes(model_path: Path) -> int:
     )
 
 
+@contextlib.contextmanager
+def environment(name: str, value: str | None):
+    """``name`` set to ``value`` (unset for None) for engines started inside, then restored."""
+    saved = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def measure(model_path: Path, args: argparse.Namespace) -> dict[str, Any]:
     load_s = min(load_seconds(model_path) for _ in range(args.repeats))
     started = time.perf_counter()
@@ -119,50 +138,41 @@ def main() -> None:
             gguf_path = tiny_gguf_file(f"ds4-tiny-{quant}")
             float_path = dequantized_dir(gguf_path, Path(tmp) / quant)
             print(f"ds4-tiny-{quant} GGUF (packed):", flush=True)
-            packed = measure(gguf_path, args)
+            with environment("TORCH_COMPILE_DISABLE", None):
+                packed = measure(gguf_path, args)
+            print(f"ds4-tiny-{quant} GGUF, torch.compile off (no fused kernels):", flush=True)
+            with environment("TORCH_COMPILE_DISABLE", "1"):
+                unfused = measure(gguf_path, args)
             print(f"ds4-tiny-{quant} dequantized (float32 safetensors):", flush=True)
             dense = measure(float_path, args)
-            results[quant] = {"gguf": packed, "float": dense}
+            results[quant] = {"gguf": packed, "gguf_unfused": unfused, "float": dense}
+
+            def row(label: str, p: float, u: float, d: float, quant: str = quant) -> list[Any]:
+                return [quant, label, p, u, d, p / d, p / u]
+
             for n in args.prefill:
-                p, d = packed["prefill"][str(n)], dense["prefill"][str(n)]
-                rows.append(
-                    [
-                        quant,
-                        f"prefill {n}",
-                        p["tokens_per_s"],
-                        d["tokens_per_s"],
-                        p["tokens_per_s"] / d["tokens_per_s"],
-                    ]
-                )
+                p, u, d = (side["prefill"][str(n)]["tokens_per_s"] for side in (packed, unfused, dense))
+                rows.append(row(f"prefill {n}", p, u, d))
             for b in args.batch:
-                p, d = packed["decode"][str(b)], dense["decode"][str(b)]
-                same = sum(x == y for x, y in zip(p.pop("tokens"), d.pop("tokens"), strict=True))
+                p, u, d = (side["decode"][str(b)] for side in (packed, unfused, dense))
+                tokens = [side.pop("tokens") for side in (p, u, d)]
+                same = sum(x == y for x, y in zip(tokens[0], tokens[2], strict=True))
                 results[quant][f"decode_{b}_greedy_sequences_identical"] = f"{same}/{b}"
-                rows.append(
-                    [
-                        quant,
-                        f"decode batch {b}",
-                        p["tokens_per_s"],
-                        d["tokens_per_s"],
-                        p["tokens_per_s"] / d["tokens_per_s"],
-                    ]
-                )
-            rows.append(
-                [quant, "load (s)", packed["load_s"], dense["load_s"], packed["load_s"] / dense["load_s"]]
-            )
-            rows.append(
-                [
-                    quant,
-                    "file (MiB)",
-                    packed["file_bytes"] / 2**20,
-                    dense["file_bytes"] / 2**20,
-                    packed["file_bytes"] / dense["file_bytes"],
-                ]
-            )
+                rows.append(row(f"decode batch {b}", p["tokens_per_s"], u["tokens_per_s"], d["tokens_per_s"]))
+            rows.append(row("load (s)", packed["load_s"], unfused["load_s"], dense["load_s"]))
+            rows.append(row("file (MiB)", *(side["file_bytes"] / 2**20 for side in (packed, unfused, dense))))
 
     table = print_table(
         "Quantized GGUF vs the same weights dequantized (tokens/s unless stated)",
-        ["quant", "measurement", "GGUF (packed)", "float32 safetensors", "GGUF / float"],
+        [
+            "quant",
+            "measurement",
+            "GGUF (packed)",
+            "GGUF, no fused kernels",
+            "float32 safetensors",
+            "GGUF / float",
+            "fused / not",
+        ],
         rows,
     )
     write_results(

@@ -17,11 +17,17 @@ Measured on this machine (benchmarks/decode_step.py has the whole step):
   `hc_head_fused_cpu`, which its own DeepSeek V4 CPU model runs): the pre step with its 20
   Sinkhorn passes in one call. They compute in float32 and round once, so the streams they
   write may differ from the reference's bf16 products by one bf16 step.
+- **Packed weights** (`QuantLinear.fused`, `QuantExpertWeight.fused`; GGUF Q8_0, Q2_K, IQ2_XXS):
+  no kernel in vLLM's wheel reads these formats, so `quant.fused` has them as tensor
+  expressions that Inductor compiles into one loop per format (decode the block, multiply,
+  sum): for decode-sized batches, 6-16x faster than dequantizing and multiplying. They are
+  compiled when bound (after loading) and need torch.compile (off under ``TORCH_COMPILE_DISABLE``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +36,7 @@ import torch
 from torch import nn
 
 from ds4_vllm.model.layers import HyperConnection, HyperHead
+from ds4_vllm.model.quant import fused
 from ds4_vllm.model.quant.modules import QuantExpertWeight, QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -39,7 +46,56 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def use_vllm_cpu_kernels(model: nn.Module) -> dict[str, int]:
     """Bind vLLM's CPU kernels to the model's CPU hot spots; how many modules each kind bound."""
-    return {"gemm": _bind_gemm(model), "hyper_connection": _bind_hyper_connections(model)}
+    return {
+        "gemm": _bind_gemm(model),
+        "hyper_connection": _bind_hyper_connections(model),
+        "fused_packed": _bind_fused_packed(model),
+    }
+
+
+def _bind_fused_packed(model: nn.Module) -> int:
+    """Fused dequantize-and-multiply kernels (`quant.fused`) for packed CPU weights of their
+    formats, compiled here by running each layer once (one Inductor graph per format and use,
+    reused from torch's compile cache on later starts)."""
+    modules = [
+        m
+        for m in model.modules()
+        if isinstance(m, (QuantLinear, QuantExpertWeight))
+        and m.qtype in fused.FUSED_TYPES
+        and m.device.type == "cpu"
+    ]
+    if not modules:
+        return 0
+    if not fused.compile_enabled():
+        logger.warning(
+            "torch.compile is disabled (TORCH_COMPILE_DISABLE): packed weights are dequantized "
+            "on every use instead of running fused kernels"
+        )
+        return 0
+    started = time.perf_counter()
+    for module in modules:
+        module.fused = fused.kernels_for(module.qtype)
+        _warm_up(module)
+    logger.info(
+        "fused kernels for %d packed weights ready in %.1f s", len(modules), time.perf_counter() - started
+    )
+    return len(modules)
+
+
+def _warm_up(module: QuantLinear | QuantExpertWeight) -> None:
+    """Run a bound kernel at the row counts Dynamo specializes (1, then any), so that compiling
+    happens at start-up rather than in a request's first decode step."""
+    kernels, data = module.fused, module.weight_packed
+    assert kernels is not None and data is not None
+    with torch.no_grad():
+        if isinstance(module, QuantLinear):
+            for rows in (1, 2):
+                kernels.project(torch.zeros(rows, module.in_features), data)
+            if module.out_features % 2 == 0:  # a grouped projection takes the pairs kernel
+                kernels.project(torch.zeros(1, 2, module.in_features), data, groups=2)
+        else:
+            ids = torch.zeros(2, dtype=torch.int64)
+            kernels.matrices(torch.zeros(2, module.shape[-1]), data, ids)
 
 
 def _bind_gemm(model: nn.Module) -> int:

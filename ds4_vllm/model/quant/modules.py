@@ -17,11 +17,14 @@ How the model uses them
 - ``.to(device)`` moves the packed bytes; ``.to(dtype)`` leaves packed bytes alone and casts
   plain float weights only.
 
-Where a GPU kernel plugs in
+Where fused kernels plug in
 ---------------------------
-Every dense matmul goes through ``quant_linear(x, weight)`` and every expert group through
-``QuantExperts.expert_forward``; a fused dequant+matmul kernel replaces those two functions
-(dispatching on ``QuantizedWeight.qtype``) without touching the modules' storage or loaders.
+A layer's ``fused`` (`quant.fused.FusedKernels`, bound per format by
+`ds4_vllm.model.cpu_kernels` on a CPU) takes dense and grouped projections of up to
+``max_rows`` rows and routed experts of up to ``max_pairs`` (token, expert) pairs without
+dequantizing; larger batches and layers without one go through ``quant_linear(x, weight)`` and
+``QuantExperts.expert_forward``. A GPU kernel would plug in the same way, without touching the
+modules' storage or loaders.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch import nn
 from ds4_vllm.model.parallel import Split, take_part
 from ds4_vllm.model.quant import QuantizedWeight, QuantType, packed_shape, scale_shape
 from ds4_vllm.model.quant.dequant import IndexLike, dequantize
+from ds4_vllm.model.quant.fused import FusedKernels
 
 WeightLike = torch.Tensor | QuantizedWeight
 
@@ -51,6 +55,9 @@ ROW_BLOCK_MAX_TOKENS = 256
 #: Off the CPU, steps with at most this many (token, expert) pairs gather each pair's expert
 #: weights on the device (`QuantExperts._forward_gathered`): a decode batch of 32 at top-6.
 GATHERED_PAIRS = 192
+#: On a CPU with fused kernels, steps with at most this many (token, expert) pairs per used
+#: expert run pair by pair (`QuantExperts._fused_fits`).
+FUSED_PAIRS_PER_EXPERT = 2
 
 
 def quant_linear(x: torch.Tensor, weight: WeightLike, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,6 +196,9 @@ class QuantLinear(_PackedWeightHolder):
         #: `project` as an op opaque to torch.compile, for packed weights under vLLM
         #: (`ds4_vllm.model.step_ops`): their unpacking reads values on the host. None: called directly.
         self.packed_op: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+        #: Fused dequantize-and-multiply kernels for this layer's packed CPU weight, used for up to
+        #: `fused.MAX_ROWS` rows (`ds4_vllm.model.cpu_kernels`); None: `quant_linear`.
+        self.fused: FusedKernels | None = None
 
     @property
     def is_packed(self) -> bool:
@@ -197,7 +207,7 @@ class QuantLinear(_PackedWeightHolder):
     def set_weight(self, w: WeightLike) -> None:
         """Install the whole checkpoint's [out, in] weight (this rank keeps its part): float or packed."""
         self._store(self._local(w))
-        self.fast_linear = None  # bound to the previous weight
+        self.fast_linear = self.fused = None  # bound to the previous weight
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a float tensor of ``dtype`` (a new tensor for packed weights)."""
@@ -218,6 +228,11 @@ class QuantLinear(_PackedWeightHolder):
 
     def project(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """``forward`` (``groups`` 0) or ``grouped`` (``groups``: x's dim 1), computed here."""
+        fused = self.fused
+        if fused is not None and x.device.type == "cpu":
+            rows = x.numel() // x.shape[-1]
+            if rows <= fused.max_rows:
+                return fused.project(x, self.weight_packed, groups)
         if groups:
             weight = self.dequantized_weight(x.dtype).view(groups, -1, x.shape[-1])
             return torch.einsum("tgi,goi->tgo", x, weight)
@@ -246,6 +261,8 @@ class QuantExpertWeight(_PackedWeightHolder):
         self._expert_set = [False] * self.shape[0]
         #: Per local expert, a faster GEMM bound to its float CPU weight (`ds4_vllm.model.cpu_kernels`).
         self.fast_linears: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
+        #: Fused dequantize-and-multiply kernels for the packed CPU stack (`ds4_vllm.model.cpu_kernels`).
+        self.fused: FusedKernels | None = None
 
     @property
     def n_experts(self) -> int:
@@ -256,7 +273,7 @@ class QuantExpertWeight(_PackedWeightHolder):
         """Install the whole [E, out, in] stack (e.g. a GGUF ``ffn_*_exps`` tensor); this rank keeps its experts."""
         self._store(self._local(w))
         self._expert_set = [True] * self.shape[0]
-        self.fast_linears = None  # bound to the previous weights
+        self.fast_linears = self.fused = None  # bound to the previous weights
 
     def set_expert(self, expert: int, w: WeightLike) -> None:
         """Install one expert's [out, in] weight by global id (ignored when another rank holds it);
@@ -267,7 +284,7 @@ class QuantExpertWeight(_PackedWeightHolder):
             return
         expert -= self.experts.start
         one_shape = self.shape[1:]
-        self.fast_linears = None  # bound to the previous weights
+        self.fast_linears = self.fused = None  # bound to the previous weights
         if isinstance(w, QuantizedWeight):
             if w.shape != one_shape:
                 raise ValueError(
@@ -408,6 +425,8 @@ class QuantExperts(nn.Module):
         """``x`` [tokens, hidden]; ``indices``/``weights`` [tokens, top_k] from the router."""
         if x.device.type != "cpu" and indices.numel() <= GATHERED_PAIRS:
             return self._forward_gathered(x, indices, weights)
+        if x.device.type == "cpu" and self._fused_fits(indices):
+            return self._forward_gathered(x, indices, weights)
         if x.shape[0] == 1 and (out := self._forward_one_token(x, indices[0], weights[0])) is not None:
             return out
         out = torch.zeros_like(x)
@@ -431,28 +450,45 @@ class QuantExperts(nn.Module):
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
         return out
 
+    def _fused_fits(self, indices: torch.Tensor) -> bool:
+        """Whether the fused kernels beat dequantizing each used expert once: few pairs, and
+        few pairs per used expert (a batch whose tokens share experts reuses their dequantized
+        weights; measured on IQ2_XXS, 2 pairs per expert is where they break even)."""
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(p.fused is not None and indices.numel() <= p.fused.max_pairs for p in projections):
+            return False
+        used = int((torch.bincount(indices.flatten(), minlength=self.n_experts) > 0).sum())
+        return indices.numel() <= FUSED_PAIRS_PER_EXPERT * used
+
     def _forward_gathered(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """A decode step on an accelerator: each (token, expert) pair's weights gathered on the
-        device, so nothing is read back to the host and the shapes do not depend on the routing
-        (what a CUDA graph needs). It reads each picked expert once per pair, as the general path
-        does per expert; for prefill-sized batches that copy would be too large.
+        """Each (token, expert) pair through its expert's weights, read where they lie: nothing
+        is read back to the host and the shapes do not depend on the routing (what a CUDA graph
+        needs). On an accelerator each pair's weights are gathered and dequantized; on a CPU
+        with fused kernels (`_fused_fits`) the kernels read each pair's packed bytes. Either
+        reads each picked expert once per pair, as the general path does per expert; for
+        prefill-sized batches that would cost too much.
         """
         tokens, top_k = indices.shape
         local = indices.flatten() - self.experts.start
         mine = (local >= 0) & (local < len(self.experts))  # expert parallel: this rank's experts only
         local = local.clamp(0, len(self.experts) - 1)
-        gate, up, down = (
-            p.expert_weights(local, x.dtype, check_index=False)
-            for p in (self.gate_proj, self.up_proj, self.down_proj)
-        )
-        rows = x.repeat_interleave(top_k, dim=0, output_size=tokens * top_k).unsqueeze(-1)
-        g = torch.bmm(gate, rows).squeeze(-1).clamp(max=self.limit)
-        u = torch.bmm(up, rows).squeeze(-1).clamp(min=-self.limit, max=self.limit)
-        y = torch.bmm(down, (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+        rows = x.repeat_interleave(top_k, dim=0, output_size=tokens * top_k)
+        g = self._pairs_through(self.gate_proj, rows, local).clamp(max=self.limit)
+        u = self._pairs_through(self.up_proj, rows, local).clamp(min=-self.limit, max=self.limit)
+        y = self._pairs_through(self.down_proj, F.silu(g) * u, local)
         scale = (weights.flatten() * mine).to(x.dtype).unsqueeze(-1)
         return (y * scale).view(tokens, top_k, -1).sum(dim=1)
+
+    @staticmethod
+    def _pairs_through(proj: QuantExpertWeight, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Row p of ``rows`` [P, in] through local expert ``local[p]`` of ``proj`` -> [P, out]."""
+        fused = proj.fused
+        if fused is not None and rows.device.type == "cpu":
+            return fused.matrices(rows, proj.weight_packed, local)
+        w = proj.expert_weights(local, rows.dtype, check_index=False)
+        return torch.bmm(w, rows.unsqueeze(-1)).squeeze(-1)
 
     def _forward_one_token(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor

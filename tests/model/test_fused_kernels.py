@@ -1,0 +1,115 @@
+"""The fused dequantize-and-multiply kernels (`quant.fused`) against dequantize-then-matmul.
+
+Weights are random blocks over each format's whole range (`quant_weights.random_gguf_weight`)
+at the shapes the tiny models and the real-width slice use. The kernels sum a block's integer
+codes before applying its scale, so they differ from the reference in float32 summation order
+only: the error is bounded relative to the sum of |x_k * w_k| terms.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds4_vllm.model.quant import QuantType, fused
+from ds4_vllm.model.quant.dequant import dequantize
+from tests.model.quant_weights import random_gguf_weight
+
+#: |kernel - reference| / sum_k |x_k w_k|, measured over 24 weights per format (these shapes and
+#: [2048, 4096], 1 and 3 rows, 3 seeds): at most 2.4e-7 (Q8_0), 2.8e-7 (Q2_K), 4.4e-7 (IQ2_XXS);
+#: float32 epsilon is 1.2e-7 and both sides round sums of up to 4,096 products in other orders.
+RELATIVE_BOUND = 2e-6
+
+
+@pytest.fixture(autouse=True)
+def compile_on():
+    """tests/conftest.py turns torch.compile off for test engines; these tests compile kernels."""
+    with torch._dynamo.config.patch(disable=False):
+        yield
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return RELATIVE_BOUND * F.linear(x.abs(), w.abs()) + 1e-30
+
+
+@pytest.mark.parametrize("qtype", sorted(fused.FUSED_TYPES, key=lambda q: q.value))
+@pytest.mark.parametrize("shape", [(256, 256), (512, 512), (1024, 4096)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_kernel_matches_dequantize_then_matmul(qtype: QuantType, shape, rows: int) -> None:
+    w = random_gguf_weight(qtype, shape, seed=rows + shape[0])
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(7))
+    reference_w = dequantize(w)
+    out = fused.linear_kernel(qtype)(x, w.data)
+    assert out.shape == (rows, shape[0])
+    assert ((out - F.linear(x, reference_w)).abs() <= _bound(x, reference_w)).all()
+
+
+@pytest.mark.parametrize("qtype", sorted(fused.FUSED_TYPES, key=lambda q: q.value))
+def test_pairs_kernel_reads_each_pairs_expert(qtype: QuantType) -> None:
+    stack = random_gguf_weight(qtype, (8, 256, 512), seed=3)
+    ids = torch.tensor([5, 0, 5, 7, 2, 1])
+    x = torch.randn(len(ids), 512, generator=torch.Generator().manual_seed(1))
+    out = fused.pairs_kernel(qtype)(x, stack.data, ids)
+    for p, e in enumerate(ids.tolist()):
+        w = dequantize(stack, index=e)
+        assert ((out[p] - w @ x[p]).abs() <= _bound(x[p : p + 1], w)[0]).all(), (p, e)
+
+
+def test_grouped_projection_takes_group_j_through_row_block_j() -> None:
+    w = random_gguf_weight(QuantType.Q8_0, (2 * 64, 128), seed=11)
+    x = torch.randn(3, 2, 128, generator=torch.Generator().manual_seed(2))
+    kernels = fused.kernels_for(QuantType.Q8_0)
+    out = kernels.project(x, w.data, groups=2)
+    expected = torch.einsum("tgi,goi->tgo", x, dequantize(w).view(2, 64, 128))
+    assert out.shape == (3, 2, 64)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-3 * expected.abs().max().item())
+
+
+def test_no_kernels_without_torch_compile() -> None:
+    with torch._dynamo.config.patch(disable=True):
+        assert fused.kernels_for(QuantType.Q8_0) is None
+    assert fused.kernels_for(QuantType.Q4_K) is None  # no kernel for this format
+
+
+def _q2_model(dtype: torch.dtype, kernels: bool):
+    """`ds4-tiny-q2` as the GGUF file is served: its weights packed, vLLM's CPU kernels bound."""
+    from ds4_vllm.model.core import build_model
+    from ds4_vllm.model.cpu_kernels import use_vllm_cpu_kernels
+    from ds4_vllm.model.gguf_file import Ds4GgufFile
+    from ds4_vllm.model.tiny_gguf import tiny_gguf_file
+
+    gguf = Ds4GgufFile.open(tiny_gguf_file("ds4-tiny-q2"))
+    model = build_model(gguf.config(), dtype)
+    model.load_weights(gguf.tensors())
+    if kernels:
+        bound = use_vllm_cpu_kernels(model)["fused_packed"]
+        packed = [m for m in model.modules() if getattr(m, "qtype", None) in fused.FUSED_TYPES]
+        assert bound == len(packed) > 0 and all(m.fused is not None for m in packed)
+    return model.eval()
+
+
+def _steps(model) -> list[torch.Tensor]:
+    """Logits of a prefill of two prompts (its layers take quant_linear: more rows than the
+    kernels take; its LM head, two rows, a kernel), then four batch-2 decode steps (kernels)."""
+    from ds4_vllm.model.paged_run import PagedRun
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1000, 100000, (n,), generator=g).tolist() for n in (300, 170)]
+    run = PagedRun(model, 320, 2, "cpu")
+    out = [run.step(prompts, [0, 1])]
+    for token in (11, 12, 13, 14):
+        out.append(run.step([[token], [token + 100]], [0, 1]))
+    return out
+
+
+#: float32 model, max |Δ logit| with the kernels against without (summation order): measured
+#: 2.1e-6 to 3.2e-6 over the five steps; 10x that.
+Q2_FLOAT32_LOGITS = 3e-5
+
+
+def test_the_q2_model_with_fused_kernels_answers_as_without() -> None:
+    with_kernels, without = (_steps(_q2_model(torch.float32, k)) for k in (True, False))
+    gaps = [(a - b).abs().max().item() for a, b in zip(with_kernels, without, strict=True)]
+    print("float32 |Δ logit| per step:", gaps)
+    assert 0 < max(gaps) < Q2_FLOAT32_LOGITS  # > 0: the kernels did run
