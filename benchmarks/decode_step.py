@@ -2,14 +2,19 @@
 
     .venv/bin/python -m benchmarks.decode_step                 # bf16 and float32, batch 1 and 8
     .venv/bin/python -m benchmarks.decode_step --dtype bfloat16 --batch 1 --steps 10 --repeats 2
+    .venv/bin/python -m benchmarks.decode_step --model ds4-tiny-q2 --dtype float32 --profile
+    .venv/bin/python -m benchmarks.decode_step --model slice:16 --dtype float32 --batch 1 --context 512
 
-The tiny default model runs directly (`ds4_vllm.model.paged_run.PagedRun`: paged caches and
+``--model``: the tiny default (``ds4``), a tiny GGUF (``ds4-tiny-q2``) or the real-width slice
+(``slice[:N]``, `slice_model.py`), its weights packed as served. The model runs directly (`ds4_vllm.model.paged_run.PagedRun`: paged caches and
 metadata as vLLM's runner makes them, no engine; the model built as vLLM builds it,
 `ds4_vllm.model.core.build_model`), each request prefilled to ``--context`` tokens, then decode
 steps of the whole batch, logits included. The dtypes and batch sizes alternate within each repeat,
 and so do the model's two paths: with vLLM's CPU kernels (`ds4_vllm.model.cpu_kernels`: its GEMM
 for the projections, its fused mHC kernels; what `Ds4ForCausalLM` runs in vLLM since 2026-12-07)
-and the portable PyTorch reference (what it ran before).
+and the portable PyTorch reference (what it ran before). For packed weights the fast paths are
+the fused dequantize-and-multiply kernels (`quant/fused.py`) and the reference dequantizes on use.
+``--profile`` adds torch.profiler's top operators of ``--steps`` batch-1 steps per path.
 
 Against the physical limit: a batch-1 step must read its active weights once (every weight but
 the embedding, with the routed experts counted at top-k / n_experts of their bytes, as one token
@@ -38,17 +43,33 @@ from benchmarks.reporting import RESULTS_DIR, machine_info, print_table
 BANDWIDTH_BYTES = 1 << 30
 
 
-def load_model(dtype: torch.dtype, kernels: str = "vllm"):
-    """The tiny default as `Ds4ForCausalLM` runs it in vLLM (``kernels`` "vllm": vLLM's CPU
-    kernels bound, `ds4_vllm.model.cpu_kernels`), or its PyTorch reference (``kernels`` "torch")."""
+def load_model(dtype: torch.dtype, kernels: str = "vllm", name: str = "ds4"):
+    """A model as `Ds4ForCausalLM` runs it in vLLM (``kernels`` "vllm": vLLM's CPU kernels and the
+    fused kernels for packed weights bound, `ds4_vllm.model.cpu_kernels`), or its PyTorch
+    reference (``kernels`` "torch"). ``name``: "ds4", a tiny GGUF ("ds4-tiny-q2") or "slice[:N]"."""
     from safetensors.torch import load_file
 
     from ds4_vllm.model.core import build_model
     from ds4_vllm.model.cpu_kernels import use_vllm_cpu_kernels
     from ds4_vllm.model.default_model import default_config, default_model_dir
 
-    model = build_model(default_config(), dtype)
-    model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
+    if name == "ds4":
+        model = build_model(default_config(), dtype)
+        model.load_weights(load_file(str(default_model_dir() / "model.safetensors")).items())
+    else:
+        from ds4_vllm.model.gguf_file import Ds4GgufFile
+
+        if name.startswith("slice"):
+            from benchmarks.slice_model import slice_for
+
+            path = slice_for(name)[1]
+        else:
+            from ds4_vllm.model.tiny_gguf import tiny_gguf_file
+
+            path = tiny_gguf_file(name)
+        gguf = Ds4GgufFile.open(path)
+        model = build_model(gguf.config(), dtype)
+        model.load_weights(gguf.tensors())
     if kernels == "vllm":
         use_vllm_cpu_kernels(model)
     return model.eval()
@@ -110,11 +131,26 @@ class DecodeRun:
         return (time.perf_counter() - start) / n * 1e3
 
 
+def profile(decode: DecodeRun, steps: int, rows: int = 15) -> str:
+    """torch.profiler's operators of ``steps`` decode steps, by self CPU time (ms per step)."""
+    with torch.profiler.profile() as prof:
+        decode.steps(steps)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    return f"{steps} steps:\n{table}"
+
+
 def run(
-    dtypes: list[str], batches: list[int], context: int, steps: int, repeats: int, kernel_sets: list[str]
+    dtypes: list[str],
+    batches: list[int],
+    context: int,
+    steps: int,
+    repeats: int,
+    kernel_sets: list[str],
+    model_name: str = "ds4",
+    with_profile: bool = False,
 ) -> dict[str, Any]:
     bandwidth = read_bandwidth()
-    models = {(d, g): load_model(getattr(torch, d), g) for d in dtypes for g in kernel_sets}
+    models = {(d, g): load_model(getattr(torch, d), g, model_name) for d in dtypes for g in kernel_sets}
     capacity = context + (repeats + 2) * steps + 8
     runs = {(d, g, b): DecodeRun(models[(d, g)], b, context, capacity) for (d, g) in models for b in batches}
     times: dict[tuple[str, str, int], list[float]] = {key: [] for key in runs}
@@ -147,8 +183,17 @@ def run(
                 else None,
             }
         )
+    profiles = {
+        f"{dtype_name} {kernels}": profile(decode, steps)
+        for (dtype_name, kernels, batch), decode in runs.items()
+        if with_profile and batch == 1
+    }
+    for label, table in profiles.items():
+        print(f"profile, {label}, batch 1, {table}")
     return {
         "machine": machine_info(),
+        "model": model_name,
+        "profiles": profiles,
         "context": context,
         "steps": steps,
         "repeats": repeats,
@@ -167,11 +212,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kernels", nargs="+", default=["vllm", "torch"], choices=["vllm", "torch"])
+    parser.add_argument("--model", default="ds4", help='"ds4", "ds4-tiny-q2" or "slice[:N]"')
+    parser.add_argument("--profile", action="store_true", help="top operators of batch-1 steps per path")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR / datetime.date.today().isoformat())
     args = parser.parse_args()
-    results = run(args.dtype, args.batch, args.context, args.steps, args.repeats, args.kernels)
+    results = run(
+        args.dtype, args.batch, args.context, args.steps, args.repeats, args.kernels, args.model, args.profile
+    )
     print_table(
-        f"Decode step, tiny default, context {args.context}, read bandwidth "
+        f"Decode step, {args.model}, context {args.context}, read bandwidth "
         f"{results['read_bandwidth_gb_s']:.1f} GB/s",
         [
             "dtype",
@@ -202,7 +251,8 @@ def main() -> None:
         ],
     )
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / "decode_step.json"
+    suffix = "" if args.model == "ds4" else "_" + args.model.replace(":", "")
+    path = args.results_dir / f"decode_step{suffix}.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
 

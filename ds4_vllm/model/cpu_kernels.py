@@ -17,11 +17,12 @@ Measured on this machine (benchmarks/decode_step.py has the whole step):
   `hc_head_fused_cpu`, which its own DeepSeek V4 CPU model runs): the pre step with its 20
   Sinkhorn passes in one call. They compute in float32 and round once, so the streams they
   write may differ from the reference's bf16 products by one bf16 step.
-- **Packed weights** (`QuantLinear.fused`, `QuantExpertWeight.fused`; GGUF Q8_0, Q2_K, IQ2_XXS):
-  no kernel in vLLM's wheel reads these formats, so `quant.fused` has them as tensor
+- **Packed weights** (`QuantLinear.fused`, `QuantExpertWeight.fused`; GGUF Q8_0, Q2_K, IQ2_XXS,
+  F16/BF16): no kernel in vLLM's wheel reads these formats, so `quant.fused` has them as tensor
   expressions that Inductor compiles into one loop per format (decode the block, multiply,
-  sum): for decode-sized batches, 6-16x faster than dequantizing and multiplying. They are
-  compiled when bound (after loading) and need torch.compile (off under ``TORCH_COMPILE_DISABLE``).
+  sum), and IQ2_XXS as a C++ loop: for decode-sized batches, 4-40x faster than dequantizing
+  and multiplying. They are compiled when bound (after loading) and need torch.compile (off
+  under ``TORCH_COMPILE_DISABLE``).
 """
 
 from __future__ import annotations

@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds4_vllm.model.quant import QuantType, fused
+from ds4_vllm.model.quant import QuantizedWeight, QuantType, fused
 from ds4_vllm.model.quant.dequant import dequantize
 from tests.model.quant_weights import random_gguf_weight
 
 #: |kernel - reference| / sum_k |x_k w_k|, measured over 24 weights per format (these shapes and
-#: [2048, 4096], 1 and 3 rows, 3 seeds): at most 2.4e-7 (Q8_0), 2.8e-7 (Q2_K), 4.4e-7 (IQ2_XXS);
+#: [2048, 4096], 1 and 3 rows, 3 seeds): at most 2.4e-7 (Q8_0), 2.8e-7 (Q2_K), 4.4e-7 (IQ2_XXS),
+#: 0.8e-7 (F16), 0.9e-7 (BF16);
 #: float32 epsilon is 1.2e-7 and both sides round sums of up to 4,096 products in other orders.
 RELATIVE_BOUND = 2e-6
 
@@ -29,6 +30,15 @@ def compile_on():
         yield
 
 
+def random_weight(qtype: QuantType, shape: tuple[int, ...], seed: int) -> QuantizedWeight:
+    """Random blocks over a GGUF format's range; normal values stored as bytes for F16 / BF16."""
+    if qtype.is_gguf_block:
+        return random_gguf_weight(qtype, shape, seed)
+    dtype = {QuantType.F16: torch.float16, QuantType.BF16: torch.bfloat16}[qtype]
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return QuantizedWeight(qtype, shape, values.view(torch.uint8))
+
+
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return RELATIVE_BOUND * F.linear(x.abs(), w.abs()) + 1e-30
 
@@ -37,23 +47,41 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(256, 256), (512, 512), (1024, 4096)])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_linear_kernel_matches_dequantize_then_matmul(qtype: QuantType, shape, rows: int) -> None:
-    w = random_gguf_weight(qtype, shape, seed=rows + shape[0])
+    w = random_weight(qtype, shape, seed=rows + shape[0])
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(7))
     reference_w = dequantize(w)
-    out = fused.linear_kernel(qtype)(x, w.data)
+    out = fused.kernels_for(qtype).linear(x, w.data)
     assert out.shape == (rows, shape[0])
     assert ((out - F.linear(x, reference_w)).abs() <= _bound(x, reference_w)).all()
 
 
 @pytest.mark.parametrize("qtype", sorted(fused.FUSED_TYPES, key=lambda q: q.value))
 def test_pairs_kernel_reads_each_pairs_expert(qtype: QuantType) -> None:
-    stack = random_gguf_weight(qtype, (8, 256, 512), seed=3)
+    stack = random_weight(qtype, (8, 256, 512), seed=3)
     ids = torch.tensor([5, 0, 5, 7, 2, 1])
     x = torch.randn(len(ids), 512, generator=torch.Generator().manual_seed(1))
-    out = fused.pairs_kernel(qtype)(x, stack.data, ids)
+    out = fused.kernels_for(qtype).pairs(x, stack.data, ids)
     for p, e in enumerate(ids.tolist()):
         w = dequantize(stack, index=e)
         assert ((out[p] - w @ x[p]).abs() <= _bound(x[p : p + 1], w)[0]).all(), (p, e)
+
+
+@pytest.mark.parametrize("qtype", [QuantType.IQ2_XXS, QuantType.Q8_0])
+def test_native_kernels_run_and_their_expressions_agree(qtype: QuantType) -> None:
+    """IQ2_XXS and Q8_0 take the C++ loops where they build (this machine: asserted, so a broken
+    build shows); the Inductor expressions, their fallback, give the same sums."""
+    assert fused.native_extension() is not None
+    stack = random_weight(qtype, (4, 512, 1024), seed=9)
+    ids = torch.tensor([2, 2, 0, 3])
+    x = torch.randn(len(ids), 1024, generator=torch.Generator().manual_seed(4))
+    native = fused.kernels_for(qtype).pairs(x, stack.data, ids)
+    expression = fused.pairs_kernel(qtype)(x, stack.data, ids)
+    reference = torch.stack([dequantize(stack, index=e) @ x[p] for p, e in enumerate(ids.tolist())])
+    bound = torch.stack(
+        [_bound(x[p : p + 1], dequantize(stack, index=e))[0] for p, e in enumerate(ids.tolist())]
+    )
+    assert ((native - reference).abs() <= bound).all()
+    assert ((expression - reference).abs() <= bound).all()
 
 
 def test_grouped_projection_takes_group_j_through_row_block_j() -> None:

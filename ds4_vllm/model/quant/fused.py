@@ -1,7 +1,8 @@
 """Packed GGUF weights applied to a few rows of activations without a float copy of the weight.
 
-Each kernel is a tensor expression of one block format (Q8_0, Q2_K, IQ2_XXS: what the ds4 q2
-recipe stores) that reads the packed bytes, decodes them and reduces against the activations.
+Each kernel is a tensor expression of one format (Q8_0, Q2_K, IQ2_XXS and the 16-bit floats F16,
+BF16: what the ds4 q2 recipe stores) that reads the packed bytes, decodes them and reduces
+against the activations.
 Inductor fuses such an expression into one loop over the weight's bytes, which is what makes it
 fast; run eagerly it would materialize a [rows, out, in] product, so only compiled kernels are
 handed out (`linear_kernel`, `pairs_kernel`; None where torch.compile is disabled or the format
@@ -11,16 +12,23 @@ summed before its scale is applied, so results differ from "dequantize, then mat
 summation order only.
 
 Measured on the 2-core AVX-512 machine, one row through a [2048, 4096] weight (8M values):
-Q8_0 0.7 ms, Q2_K 1.4 ms, IQ2_XXS 3.2 ms, against 11-22 ms to dequantize it eagerly and 1.7 ms
-for float32 weights in ``F.linear`` (0.6 ms bf16). The weight is read once per row, so the cost
-grows with the rows (`MAX_ROWS`).
+Q8_0 0.7 ms, Q2_K 1.4-2.5 ms, IQ2_XXS 3.2-6.6 ms (its grid lookups vectorize poorly), against
+11-22 ms to dequantize it eagerly and 1.7 ms for float32 weights in ``F.linear`` (0.6 ms bf16);
+F16 [8192, 1024] 0.38 ms against 15 ms converted on use. The weight is read once per row, so the cost
+grows with the rows (`MAX_ROWS`). Where Inductor's code is slow, a C++ loop
+(``packed_cpu.cpp``, `native_extension`) runs instead: IQ2_XXS 1.75 ms, Q8_0 0.23 ms for a
+[4096, 1024] weight (Inductor 0.49 ms); the Inductor expression stays the fallback.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,6 +43,10 @@ logger = logging.getLogger(__name__)
 #: Q8_0 head: 4.7 / 18.7 / 29.7 ms fused for 1 / 4 / 8 rows against 44.6 / 32.8 / 30.5 ms; for
 #: a [4096, 1024] weight 0.40 / 1.47 / 3.44 against 1.94 / 3.32 / 3.34 ms.
 MAX_ROWS = 4
+#: The same for the C++ loops (`native_extension`), which take a weight row from memory once for
+#: all rows: the 129,280 x 256 Q8_0 head, 2.1 / 8.0 ms for 1 / 4 rows against 28-30 ms
+#: dequantized in row blocks for 1-8 rows; [4096, 1024], 0.23 / 0.83 ms against 1.9-3.3 ms.
+NATIVE_MAX_ROWS = 8
 #: (token, expert) pairs up to which routed experts may run pair by pair through the kernel (each
 #: pair reads its expert's bytes) rather than dequantizing each used expert once: a decode batch
 #: of 8 at top-6 (`QuantExperts._fused_fits` also asks for few pairs per used expert).
@@ -44,7 +56,7 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PairsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _f16(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def _fp16_field(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """A little-endian fp16 field from its two bytes, as float32 (a bit cast Inductor can fuse)."""
     bits = (lo.to(torch.int32) | (hi.to(torch.int32) << 8)).to(torch.int16)
     return bits.view(torch.float16).to(torch.float32)
@@ -55,7 +67,7 @@ def _q8_0(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     x = x.view(x.shape[0], 1, -1, 32)  # block sizes are literals: Dynamo keeps them static
     blocks = rows.view(rows.shape[0], rows.shape[1], -1, 34)
     q = blocks[..., 2:].view(torch.int8).to(torch.float32)
-    d = _f16(blocks[..., 0], blocks[..., 1])
+    d = _fp16_field(blocks[..., 0], blocks[..., 1])
     return ((x * q).sum(-1) * d).sum(-1)
 
 
@@ -77,7 +89,7 @@ def _q2_k(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         part = (xv[..., s, :, :] * codes).sum(-1)  # [P, N, nb, 2, 2]
         scaled = scaled + (part * (sc[..., s, :] & 0xF).to(torch.float32)).sum((-1, -2))
     mins = (xv.sum(-1) * (sc >> 4).to(torch.float32)).sum((-1, -2, -3))
-    d, dmin = _f16(blocks[..., 80], blocks[..., 81]), _f16(blocks[..., 82], blocks[..., 83])
+    d, dmin = _fp16_field(blocks[..., 80], blocks[..., 81]), _fp16_field(blocks[..., 82], blocks[..., 83])
     return (scaled * d - mins * dmin).sum(-1)
 
 
@@ -110,16 +122,28 @@ def _iq2_xxs(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     signs = (aux32.unsqueeze(-1) >> _IQ2_SIGN_SHIFTS) & 0x7F
     signed = _IQ2_GRID[grid_index * 128 + signs].to(torch.float32)  # [..., 8, 4, 8]
     part = (x.view(x.shape[0], 1, -1, 8, 4, 8) * signed).sum(-1).sum(-1)  # [P, N, nb, 8]
-    d = _f16(blocks[..., 0], blocks[..., 1]).unsqueeze(-1)
+    d = _fp16_field(blocks[..., 0], blocks[..., 1]).unsqueeze(-1)
     group_scale = d * (0.5 + (aux32 >> 28).to(torch.float32)) * 0.25
     return (part * group_scale).sum((-1, -2))
 
 
-#: Block format -> kernel.
+def _plain(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A 16-bit float format stored as bytes (the ds4 GGUFs' F16 compressors and indexer)."""
+
+    def plain(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """x [P, K] float32, rows [P or 1, N, 2 K] bytes -> [P, N]."""
+        return (x.unsqueeze(1) * rows.view(dtype).to(torch.float32)).sum(-1)
+
+    return plain
+
+
+#: Format -> kernel.
 _FORMATS: dict[QuantType, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     QuantType.Q8_0: _q8_0,
     QuantType.Q2_K: _q2_k,
     QuantType.IQ2_XXS: _iq2_xxs,
+    QuantType.F16: _plain(torch.float16),
+    QuantType.BF16: _plain(torch.bfloat16),
 }
 FUSED_TYPES = frozenset(_FORMATS)
 
@@ -212,11 +236,70 @@ class FusedKernels:
 
 
 def kernels_for(qtype: QuantType) -> FusedKernels | None:
-    """The fused kernels of a block format; None without a kernel or with torch.compile off."""
+    """The fused kernels of a format; None without a kernel or with torch.compile off."""
     linear, pairs = linear_kernel(qtype), pairs_kernel(qtype)
     if linear is None or pairs is None:
         return None
+    native = _native_pairs(qtype)
+    if native is not None:
+        return FusedKernels(qtype, _one_matrix(native), native, max_rows=NATIVE_MAX_ROWS)
     return FusedKernels(qtype, linear, pairs)
+
+
+#: Formats with a C++ loop in ``packed_cpu.cpp`` (its function names), where Inductor's code for
+#: the expression is slow: IQ2_XXS (grid lookups; 1.75 against 7 ms per [2048, 4096] matrix) and
+#: Q8_0 (the LM head).
+_NATIVE = {QuantType.IQ2_XXS: "iq2_xxs_pairs", QuantType.Q8_0: "q8_0_pairs"}
+
+
+@cache
+def native_extension():
+    """``packed_cpu.cpp`` built once per machine by torch's extension loader (cached under
+    ``~/.cache/torch_extensions``, about 25 s), or None (logged) where it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        # torch's loader runs ninja, installed beside this interpreter in a virtual environment
+        # whose bin directory is not always on PATH (``.venv/bin/vllm serve`` without activating).
+        bin_dir = os.path.dirname(sys.executable)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        source = Path(__file__).with_name("packed_cpu.cpp")
+        return load("ds4_vllm_packed_cpu", [str(source)], extra_cflags=["-O3", "-march=native"])
+    except Exception as exc:  # a missing compiler or ninja: the Inductor expressions still work
+        logger.warning("the packed-weight CPU kernels could not be built (%s); using Inductor's", exc)
+        return None
+
+
+def _iq2_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf-py's IQ2_XXS grid [256, 8] (magnitudes) and ksigns [128], as uint8 tensors."""
+    _GGUF_IQ2_XXS.init_grid()
+    grid = np.asarray(_GGUF_IQ2_XXS.grid, dtype=np.uint8).reshape(256, 8).copy()
+    ksigns = np.frombuffer(_GGUF_IQ2_XXS.ksigns, dtype=np.uint8).copy()
+    return torch.from_numpy(grid), torch.from_numpy(ksigns)
+
+
+def _native_pairs(qtype: QuantType) -> PairsKernel | None:
+    name = _NATIVE.get(qtype)
+    extension = native_extension() if name is not None else None
+    if extension is None:
+        return None
+    function = getattr(extension, name)
+    tables = _iq2_tables() if qtype is QuantType.IQ2_XXS else ()
+
+    def pairs(x: torch.Tensor, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return function(x.contiguous(), data.contiguous(), ids.to(torch.int64), *tables)
+
+    return pairs
+
+
+def _one_matrix(pairs: PairsKernel) -> LinearKernel:
+    """A pairs kernel as a linear one: every row through the one matrix ``data`` [N, row bytes]."""
+
+    def linear(x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+        return pairs(x, data.unsqueeze(0), torch.zeros(x.shape[0], dtype=torch.int64, device=x.device))
+
+    return linear
 
 
 def reference(
@@ -230,6 +313,7 @@ __all__ = [
     "FUSED_TYPES",
     "MAX_PAIRS",
     "MAX_ROWS",
+    "NATIVE_MAX_ROWS",
     "FusedKernels",
     "compile_enabled",
     "kernels_for",

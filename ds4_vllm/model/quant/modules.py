@@ -230,7 +230,8 @@ class QuantLinear(_PackedWeightHolder):
         """``forward`` (``groups`` 0) or ``grouped`` (``groups``: x's dim 1), computed here."""
         fused = self.fused
         if fused is not None and x.device.type == "cpu":
-            rows = x.numel() // x.shape[-1]
+            # Rows that read the same weight rows: a grouped projection's groups read apart.
+            rows = x.shape[0] if groups else x.numel() // x.shape[-1]
             if rows <= fused.max_rows:
                 return fused.project(x, self.weight_packed, groups)
         if groups:
