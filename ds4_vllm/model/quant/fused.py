@@ -255,20 +255,25 @@ _NATIVE = {QuantType.IQ2_XXS: "iq2_xxs_pairs", QuantType.Q8_0: "q8_0_pairs"}
 @cache
 def native_extension():
     """``packed_cpu.cpp`` built once per machine by torch's extension loader (cached under
-    ``~/.cache/torch_extensions``, about 25 s), or None (logged) where it cannot be built."""
+    ``~/.cache/torch_extensions``, about 25 s), or None (logged) where it cannot be built: no
+    compiler or ninja, or a CPU without AVX2 and FMA."""
     try:
-        from torch.utils.cpp_extension import load
-
-        # torch's loader runs ninja, installed beside this interpreter in a virtual environment
-        # whose bin directory is not always on PATH (``.venv/bin/vllm serve`` without activating).
-        bin_dir = os.path.dirname(sys.executable)
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        source = Path(__file__).with_name("packed_cpu.cpp")
-        return load("ds4_vllm_packed_cpu", [str(source)], extra_cflags=["-O3", "-march=native"])
-    except Exception as exc:  # a missing compiler or ninja: the Inductor expressions still work
+        return build_native_extension("ds4_vllm_packed_cpu", ["-O3", "-march=native"])
+    except Exception as exc:  # the Inductor expressions still work
         logger.warning("the packed-weight CPU kernels could not be built (%s); using Inductor's", exc)
         return None
+
+
+def build_native_extension(name: str, flags: list[str]):
+    """``packed_cpu.cpp`` as module ``name``, compiled with ``flags`` (tests build other variants)."""
+    from torch.utils.cpp_extension import load
+
+    # torch's loader runs ninja, installed beside this interpreter in a virtual environment
+    # whose bin directory is not always on PATH (``.venv/bin/vllm serve`` without activating).
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return load(name, [str(Path(__file__).with_name("packed_cpu.cpp"))], extra_cflags=flags)
 
 
 def _iq2_tables() -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,8 +292,11 @@ def _native_pairs(qtype: QuantType) -> PairsKernel | None:
     function = getattr(extension, name)
     tables = _iq2_tables() if qtype is QuantType.IQ2_XXS else ()
 
+    label = f"ds4_vllm::{name}"  # named in torch.profiler's tables, which skip pybind calls
+
     def pairs(x: torch.Tensor, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return function(x.contiguous(), data.contiguous(), ids.to(torch.int64), *tables)
+        with torch.profiler.record_function(label):
+            return function(x.contiguous(), data.contiguous(), ids.to(torch.int64), *tables)
 
     return pairs
 

@@ -7,8 +7,7 @@
 //   scale). `grid` [256, 8] (magnitudes 8/25/43) and `ksigns` [128] (bit j: value j is
 //   negative) are gguf-py's tables, small enough to stay in the L1 cache. Inductor vectorizes
 //   the table lookups poorly.
-// - Q8_0 (34-byte blocks of 32: an fp16 scale, 32 int8 codes). Inductor's loop is fine but
-//   re-derives its addresses per block.
+// - Q8_0 (34-byte blocks of 32: an fp16 scale, 32 int8 codes). Inductor's loop is 2-3x slower.
 // A group's (block's) products are summed before its scale is applied, as the Inductor kernels do.
 #include <torch/extension.h>
 
@@ -18,14 +17,23 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
+// AVX2 and FMA only: elsewhere the build stops here and quant/fused.py keeps Inductor's kernels.
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "packed_cpu.cpp needs AVX2 and FMA"
 #endif
+#include <immintrin.h>
 
 namespace {
 
 constexpr int64_t kValuesPerBlock = 256;
 constexpr int64_t kBytesPerBlock = 66;
+
+float horizontal_sum(__m256 lanes) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  return _mm_cvtss_f32(half);
+}
 
 float block_scale(const uint8_t* block) {
   uint16_t bits;
@@ -33,7 +41,6 @@ float block_scale(const uint8_t* block) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 // Eight lanes are one grid row: its magnitudes widened to float, the sign bits xor-ed in.
 float iq2_xxs_dot_row(const uint8_t* row, const float* x, int64_t blocks, const uint8_t* grid, const uint8_t* ksigns) {
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -60,48 +67,11 @@ float iq2_xxs_dot_row(const uint8_t* row, const float* x, int64_t blocks, const 
       total = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale), total);
     }
   }
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
+  return horizontal_sum(total);
 }
-#else
-// Portable: the same sums, lane by lane.
-float iq2_xxs_dot_row(const uint8_t* row, const float* x, int64_t blocks, const uint8_t* grid, const uint8_t* ksigns) {
-  float total[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * kBytesPerBlock;
-    const float d = block_scale(block);
-    const float* xb = x + b * kValuesPerBlock;
-    for (int g = 0; g < 8; ++g) {
-      const uint8_t* group = block + 2 + g * 8;
-      uint32_t aux;
-      std::memcpy(&aux, group + 4, 4);
-      float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int l = 0; l < 4; ++l) {
-        const uint8_t* magnitudes = grid + group[l] * 8;
-        const uint32_t signs = ksigns[(aux >> (7 * l)) & 127];
-        const float* xs = xb + g * 32 + l * 8;
-        for (int j = 0; j < 8; ++j) {
-          const float m = static_cast<float>(magnitudes[j]);
-          sum[j] += xs[j] * ((signs >> j) & 1 ? -m : m);
-        }
-      }
-      const float scale = d * (0.5f + static_cast<float>(aux >> 28)) * 0.25f;
-      for (int j = 0; j < 8; ++j) {
-        total[j] += sum[j] * scale;
-      }
-    }
-  }
-  float acc = 0.f;
-  for (int j = 0; j < 8; ++j) {
-    acc += total[j];
-  }
-  return acc;
-}
-#endif
 
 #if defined(__AVX512F__)
+// Sixteen lanes: a block's 32 codes widened in two steps.
 float q8_0_dot_row(const uint8_t* row, const float* x, int64_t blocks) {
   __m512 total = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -115,25 +85,21 @@ float q8_0_dot_row(const uint8_t* row, const float* x, int64_t blocks) {
   return _mm512_reduce_add_ps(total);
 }
 #else
+// Eight lanes: a block's 32 codes widened in four steps (tests/model/test_fused_kernels.py
+// builds this variant too, with -mno-avx512f).
 float q8_0_dot_row(const uint8_t* row, const float* x, int64_t blocks) {
-  float total[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  __m256 total = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * 34;
-    const int8_t* codes = reinterpret_cast<const int8_t*>(block + 2);
-    const float d = block_scale(block);
-    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int i = 0; i < 32; ++i) {
-      sum[i % 8] += x[b * 32 + i] * static_cast<float>(codes[i]);
+    __m256 sum = _mm256_setzero_ps();
+    for (int q = 0; q < 4; ++q) {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + q * 8));
+      const __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+      sum = _mm256_fmadd_ps(_mm256_loadu_ps(x + b * 32 + q * 8), values, sum);
     }
-    for (int j = 0; j < 8; ++j) {
-      total[j] += sum[j] * d;
-    }
+    total = _mm256_fmadd_ps(sum, _mm256_set1_ps(block_scale(block)), total);
   }
-  float acc = 0.f;
-  for (int j = 0; j < 8; ++j) {
-    acc += total[j];
-  }
-  return acc;
+  return horizontal_sum(total);
 }
 #endif
 
