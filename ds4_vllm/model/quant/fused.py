@@ -191,8 +191,8 @@ def _compiled_kernel(kind: str, qtype: QuantType) -> Callable | None:
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         make = _linear if kind == "linear" else _pairs
-        # dynamic: one graph serves every weight shape and row count of a format (a closure per
-        # format, so Dynamo's recompile limit counts each format apart).
+        # dynamic: a graph serves every weight shape and row count of a format, up to Dynamo's
+        # specializations (see RECOMPILE_LIMIT).
         _compiled[key] = torch.compile(make(qtype), dynamic=True, fullgraph=True)
     return _compiled[key]
 
@@ -310,22 +310,16 @@ def _one_matrix(pairs: PairsKernel) -> LinearKernel:
     return linear
 
 
-def reference(
-    x: torch.Tensor, data: torch.Tensor, qtype: QuantType, ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The kernels' expression run eagerly (tests compare it and the compiled one to dequantize+matmul)."""
-    return _pairs(qtype)(x, data, ids) if ids is not None else _linear(qtype)(x, data)
-
-
 __all__ = [
     "FUSED_TYPES",
     "MAX_PAIRS",
     "MAX_ROWS",
     "NATIVE_MAX_ROWS",
     "FusedKernels",
+    "build_native_extension",
     "compile_enabled",
     "kernels_for",
     "linear_kernel",
+    "native_extension",
     "pairs_kernel",
-    "reference",
 ]

@@ -197,7 +197,7 @@ class QuantLinear(_PackedWeightHolder):
         #: (`ds4_vllm.model.step_ops`): their unpacking reads values on the host. None: called directly.
         self.packed_op: Callable[[torch.Tensor, int], torch.Tensor] | None = None
         #: Fused dequantize-and-multiply kernels for this layer's packed CPU weight, used for up to
-        #: `fused.MAX_ROWS` rows (`ds4_vllm.model.cpu_kernels`); None: `quant_linear`.
+        #: their ``max_rows`` rows (`ds4_vllm.model.cpu_kernels`); None: `quant_linear`.
         self.fused: FusedKernels | None = None
 
     @property
