@@ -35,6 +35,7 @@ import torch
 from gguf.quants import IQ2_XXS as _GGUF_IQ2_XXS
 
 from ds4_vllm.model.quant import QuantType
+from ds4_vllm.model.quant.dequant import _table
 
 logger = logging.getLogger(__name__)
 
@@ -93,17 +94,9 @@ def _q2_k(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (scaled * d - mins * dmin).sum(-1)
 
 
-def _iq2_grid_int8() -> torch.Tensor:
-    """[256 * 128, 8] int8: grid row g (magnitudes 8/25/43) with sign pattern p at row g * 128 + p
-    (gguf-py's ``grid`` and ``ksigns``, as `dequant._iq2xxs_signed_grid`, in 256 KiB)."""
-    _GGUF_IQ2_XXS.init_grid()
-    grid = torch.from_numpy(np.asarray(_GGUF_IQ2_XXS.grid, dtype=np.int32).reshape(256, 8).copy())
-    ksigns = torch.from_numpy(np.frombuffer(_GGUF_IQ2_XXS.ksigns, dtype=np.uint8).copy()).to(torch.int32)
-    negative = (ksigns[:, None] >> torch.arange(8, dtype=torch.int32)) & 1
-    return (grid[:, None, :] * (1 - 2 * negative)[None]).reshape(256 * 128, 8).to(torch.int8)
-
-
-_IQ2_GRID = _iq2_grid_int8()
+#: `dequant`'s signed grid (gguf-py's tables: grid row g with sign pattern p at row g * 128 + p)
+#: as int8, 256 KiB: its values are +-8, 25, 43.
+_IQ2_GRID = _table("iq2_signed_grid", torch.device("cpu")).to(torch.int8)
 _IQ2_SIGN_SHIFTS = torch.tensor([0, 7, 14, 21], dtype=torch.int64)
 
 
