@@ -17,12 +17,13 @@ Measured on this machine (benchmarks/decode_step.py has the whole step):
   `hc_head_fused_cpu`, which its own DeepSeek V4 CPU model runs): the pre step with its 20
   Sinkhorn passes in one call. They compute in float32 and round once, so the streams they
   write may differ from the reference's bf16 products by one bf16 step.
-- **Packed weights** (`QuantLinear.fused`, `QuantExpertWeight.fused`; GGUF Q8_0, Q2_K, IQ2_XXS,
-  F16/BF16): no kernel in vLLM's wheel reads these formats, so `quant.fused` has them as tensor
-  expressions that Inductor compiles into one loop per format (decode the block, multiply,
-  sum), and IQ2_XXS as a C++ loop: for decode-sized batches, 4-40x faster than dequantizing
-  and multiplying. They are compiled when bound (after loading) and need torch.compile (off
-  under ``TORCH_COMPILE_DISABLE``).
+- **Packed weights** (`QuantLinear.fused`, `QuantExpertWeight.fused`; GGUF Q8_0, Q2_K, Q4_K,
+  IQ2_XXS, F16/BF16): no kernel in vLLM's wheel reads these formats, so `quant.fused` has a C++
+  loop that decodes a weight row once for all the rows going through it (a decode batch, a
+  prefill's tokens per routed expert), and tensor expressions that Inductor compiles where the
+  loop cannot be built: for up to 32 rows per matrix, 2-30x faster than dequantizing and
+  multiplying. They are bound after loading and, like the rest of the compiled path, are off
+  under ``TORCH_COMPILE_DISABLE``.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def use_vllm_cpu_kernels(model: nn.Module) -> dict[str, int]:
 
 def _bind_fused_packed(model: nn.Module) -> int:
     """Fused dequantize-and-multiply kernels (`quant.fused`) for packed CPU weights of their
-    formats, compiled here by running each layer once (one Inductor graph per format and use,
-    reused from torch's compile cache on later starts)."""
+    formats; the number bound. Inductor's kernels are compiled here by running each layer once
+    (one graph per format and use, reused from torch's compile cache on later starts)."""
     modules = [
         m
         for m in model.modules()
@@ -74,29 +75,32 @@ def _bind_fused_packed(model: nn.Module) -> int:
         )
         return 0
     started = time.perf_counter()
+    bound = 0
     for module in modules:
         module.fused = fused.kernels_for(module.qtype)
-        _warm_up(module)
-    logger.info(
-        "fused kernels for %d packed weights ready in %.1f s", len(modules), time.perf_counter() - started
-    )
-    return len(modules)
+        if module.fused is not None:
+            bound += 1
+            if module.fused.compiled:
+                _warm_up(module)
+    logger.info("fused kernels for %d packed weights ready in %.1f s", bound, time.perf_counter() - started)
+    return bound
 
 
 def _warm_up(module: QuantLinear | QuantExpertWeight) -> None:
-    """Run a bound kernel at the row counts Dynamo specializes (1, then any), so that compiling
-    happens at start-up rather than in a request's first decode step."""
+    """Run bound Inductor kernels at the row counts Dynamo specializes (1, then any), so that
+    compiling happens at start-up rather than in a request's first decode step."""
     kernels, data = module.fused, module.weight_packed
     assert kernels is not None and data is not None
     with torch.no_grad():
         if isinstance(module, QuantLinear):
             for rows in (1, 2):
                 kernels.project(torch.zeros(rows, module.in_features), data)
-            if module.out_features % 2 == 0:  # a grouped projection takes the pairs kernel
+            if module.out_features % 2 == 0:  # a grouped projection: two matrices
                 kernels.project(torch.zeros(1, 2, module.in_features), data, groups=2)
         else:
-            ids = torch.zeros(2, dtype=torch.int64)
-            kernels.matrices(torch.zeros(2, module.shape[-1]), data, ids)
+            kernels.matrices(
+                torch.zeros(3, module.shape[-1]), data, torch.tensor([0, 0]), torch.tensor([0, 1, 3])
+            )
 
 
 def _bind_gemm(model: nn.Module) -> int:

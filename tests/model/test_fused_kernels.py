@@ -8,6 +8,8 @@ only: the error is bounded relative to the sum of |x_k * w_k| terms.
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,58 +45,91 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return RELATIVE_BOUND * F.linear(x.abs(), w.abs()) + 1e-30
 
 
-@pytest.mark.parametrize("qtype", sorted(fused.FUSED_TYPES, key=lambda q: q.value))
+INDUCTOR_TYPES = sorted(fused.INDUCTOR_TYPES, key=lambda q: q.value)
+NATIVE_TYPES = sorted(fused.NATIVE_TYPES, key=lambda q: q.value)
+
+
+@pytest.mark.parametrize("qtype", INDUCTOR_TYPES)
 @pytest.mark.parametrize("shape", [(256, 256), (512, 1024)])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_linear_kernel_matches_dequantize_then_matmul(qtype: QuantType, shape, rows: int) -> None:
+def test_inductor_linear_kernel_matches_dequantize_then_matmul(qtype: QuantType, shape, rows: int) -> None:
     w = random_weight(qtype, shape, seed=rows + shape[0])
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(7))
     reference_w = dequantize(w)
-    out = fused.kernels_for(qtype).linear(x, w.data)
+    out = fused.linear_kernel(qtype)(x, w.data)
     assert out.shape == (rows, shape[0])
     assert ((out - F.linear(x, reference_w)).abs() <= _bound(x, reference_w)).all()
 
 
-@pytest.mark.parametrize("qtype", sorted(fused.FUSED_TYPES, key=lambda q: q.value))
-def test_pairs_kernel_reads_each_pairs_expert(qtype: QuantType) -> None:
+@pytest.mark.parametrize("qtype", INDUCTOR_TYPES)
+def test_inductor_pairs_kernel_reads_each_pairs_expert(qtype: QuantType) -> None:
     stack = random_weight(qtype, (8, 256, 512), seed=3)
     ids = torch.tensor([5, 0, 5, 7, 2, 1])
     x = torch.randn(len(ids), 512, generator=torch.Generator().manual_seed(1))
-    out = fused.kernels_for(qtype).pairs(x, stack.data, ids)
+    out = fused.pairs_kernel(qtype)(x, stack.data, ids)
     for p, e in enumerate(ids.tolist()):
         w = dequantize(stack, index=e)
         assert ((out[p] - w @ x[p]).abs() <= _bound(x[p : p + 1], w)[0]).all(), (p, e)
 
 
-@pytest.mark.parametrize("qtype", [QuantType.IQ2_XXS, QuantType.Q8_0])
-def test_native_kernels_run_and_their_expressions_agree(qtype: QuantType) -> None:
-    """IQ2_XXS and Q8_0 take the C++ loops where they build (this machine: asserted, so a broken
-    build shows); the Inductor expressions, their fallback, give the same sums."""
+#: Segments covering the C++ loop's cases: one row (a format's dot loop), two, a row tile and its
+#: remainder (five), an empty segment, and a matrix picked twice; 200 output rows leave partial
+#: tiles of weight rows.
+SEGMENT_MATRICES = [3, 0, 5, 1, 3]
+SEGMENT_ROWS = [1, 2, 5, 0, 9]
+
+
+def _check_segments(segments: fused.SegmentsKernel, qtype: QuantType, seed: int) -> None:
+    stack = random_weight(qtype, (6, 200, 512), seed=seed)
+    starts = torch.tensor([0, *SEGMENT_ROWS]).cumsum(0)
+    x = torch.randn(int(starts[-1]), 512, generator=torch.Generator().manual_seed(seed))
+    out = segments(x, stack.data, torch.tensor(SEGMENT_MATRICES), starts)
+    assert out.shape == (x.shape[0], 200)
+    for s, e in enumerate(SEGMENT_MATRICES):
+        rows = x[starts[s] : starts[s + 1]]
+        w = dequantize(stack, index=e)
+        assert ((out[starts[s] : starts[s + 1]] - F.linear(rows, w)).abs() <= _bound(rows, w)).all(), (s, e)
+
+
+@pytest.mark.parametrize("qtype", NATIVE_TYPES)
+def test_native_segments_match_dequantize_then_matmul(qtype: QuantType) -> None:
+    """The C++ loop, where it builds (this machine: asserted, so a broken build shows)."""
     assert fused.native_extension() is not None
-    stack = random_weight(qtype, (4, 512, 1024), seed=9)
-    ids = torch.tensor([2, 2, 0, 3])
-    x = torch.randn(len(ids), 1024, generator=torch.Generator().manual_seed(4))
-    native = fused.kernels_for(qtype).pairs(x, stack.data, ids)
-    expression = fused.pairs_kernel(qtype)(x, stack.data, ids)
-    reference = torch.stack([dequantize(stack, index=e) @ x[p] for p, e in enumerate(ids.tolist())])
-    bound = torch.stack(
-        [_bound(x[p : p + 1], dequantize(stack, index=e))[0] for p, e in enumerate(ids.tolist())]
-    )
-    assert ((native - reference).abs() <= bound).all()
-    assert ((expression - reference).abs() <= bound).all()
+    kernels = fused.kernels_for(qtype)
+    assert kernels is not None and kernels.max_rows == fused.NATIVE_MAX_ROWS
+    _check_segments(kernels.segments, qtype, seed=9)
+
+
+@pytest.mark.parametrize("qtype", INDUCTOR_TYPES)
+def test_inductor_fallback_segments_match(qtype: QuantType) -> None:
+    """Where the C++ loop cannot be built, segments run through the Inductor kernels."""
+    segments = fused._inductor_segments(fused.linear_kernel(qtype), fused.pairs_kernel(qtype))
+    _check_segments(segments, qtype, seed=10)
+
+
+def test_native_segments_reject_bad_arguments() -> None:
+    kernels = fused.kernels_for(QuantType.Q8_0)
+    stack = random_weight(QuantType.Q8_0, (2, 64, 64), seed=1)
+    x = torch.zeros(3, 64)
+    with pytest.raises(RuntimeError, match="matrix 2 is out of range for 2"):
+        kernels.segments(x, stack.data, torch.tensor([2]), torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match="starts must run from 0 to x's rows"):
+        kernels.segments(x, stack.data, torch.tensor([0]), torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="x and data disagree on K"):
+        kernels.segments(torch.zeros(3, 32), stack.data, torch.tensor([0]), torch.tensor([0, 3]))
 
 
 @pytest.mark.heavy
-def test_the_avx2_variant_of_the_native_kernels() -> None:
-    """Machines without AVX-512 build packed_cpu.cpp's eight-lane Q8_0 loop: built here too."""
-    avx2 = fused.build_native_extension("ds4_vllm_packed_cpu_avx2", ["-O3", "-march=native", "-mno-avx512f"])
-    stack = random_weight(QuantType.Q8_0, (4, 512, 1024), seed=9)
-    ids = torch.tensor([2, 2, 0, 3])
-    x = torch.randn(len(ids), 1024, generator=torch.Generator().manual_seed(4))
-    out = avx2.q8_0_pairs(x, stack.data, ids)
-    for p, e in enumerate(ids.tolist()):
-        w = dequantize(stack, index=e)
-        assert ((out[p] - w @ x[p]).abs() <= _bound(x[p : p + 1], w)[0]).all(), (p, e)
+@pytest.mark.parametrize("qtype", NATIVE_TYPES)
+def test_the_avx2_variant_of_the_native_kernels(qtype: QuantType) -> None:
+    """Machines without AVX-512 build packed_cpu.cpp's eight-lane loops: built here too."""
+    avx2 = avx2_extension()
+    _check_segments(fused._native_segments(qtype, avx2), qtype, seed=11)
+
+
+@cache
+def avx2_extension():
+    return fused.build_native_extension("ds4_vllm_packed_cpu_avx2", ["-O3", "-march=native", "-mno-avx512f"])
 
 
 def test_grouped_projection_takes_group_j_through_row_block_j() -> None:
@@ -110,7 +145,7 @@ def test_grouped_projection_takes_group_j_through_row_block_j() -> None:
 def test_no_kernels_without_torch_compile() -> None:
     with torch._dynamo.config.patch(disable=True):
         assert fused.kernels_for(QuantType.Q8_0) is None
-    assert fused.kernels_for(QuantType.Q4_K) is None  # no kernel for this format
+    assert fused.kernels_for(QuantType.MXFP4) is None  # no kernel for this format
 
 
 def _q2_model(dtype: torch.dtype, kernels: bool):

@@ -1,23 +1,28 @@
-"""Packed GGUF weights applied to a few rows of activations without a float copy of the weight.
+"""Packed GGUF weights applied to rows of activations without a float copy of the weight.
 
-Each kernel is a tensor expression of one format (Q8_0, Q2_K, IQ2_XXS and the 16-bit floats F16,
-BF16: what the ds4 q2 recipe stores) that reads the packed bytes, decodes them and reduces
-against the activations.
-Inductor fuses such an expression into one loop over the weight's bytes, which is what makes it
-fast; run eagerly it would materialize a [rows, out, in] product, so only compiled kernels are
-handed out (`linear_kernel`, `pairs_kernel`; None where torch.compile is disabled or the format
-has no kernel here). Per block the arithmetic is the format's (as `dequant.py`, which stays the
-reference), grouped as the format's scales are: the products of a block's integer codes are
-summed before its scale is applied, so results differ from "dequantize, then matmul" by float32
-summation order only.
+The kernels take segments of rows, each segment through one matrix of a packed stack
+(`SegmentsKernel`): a linear layer is one segment, a grouped projection one per group, routed
+experts one per expert with its tokens. Two implementations, picked per format (`kernels_for`):
 
-Measured on the 2-core AVX-512 machine, one row through a [2048, 4096] weight (8M values):
-Q8_0 0.7 ms, Q2_K 1.4-2.5 ms, IQ2_XXS 3.2-6.6 ms (its grid lookups vectorize poorly), against
-11-22 ms to dequantize it eagerly and 1.7 ms for float32 weights in ``F.linear`` (0.6 ms bf16);
-F16 [8192, 1024] 0.38 ms against 15 ms converted on use. The weight is read once per row, so the cost
-grows with the rows (`MAX_ROWS`). Where Inductor's code is slow, a C++ loop
-(``packed_cpu.cpp``, `native_extension`) runs instead: IQ2_XXS 1.75 ms, Q8_0 0.23 ms for a
-[4096, 1024] weight (Inductor 0.49 ms); the Inductor expression stays the fallback.
+- A C++ loop (``packed_cpu.cpp``, `native_extension`; Q8_0, Q2_K, Q4_K, IQ2_XXS, F16, BF16):
+  a task decodes a few weight rows once into float values (`dequant.py`'s values) and multiplies
+  them with every row of the segment; a segment of one or two rows runs the format's dot loop
+  over the packed bytes instead where it has one (Q8_0, IQ2_XXS). Worth it up to
+  `NATIVE_MAX_ROWS` rows per matrix.
+- Where that loop cannot be built (no compiler, no AVX2), tensor expressions of the formats
+  (Q8_0, Q2_K, IQ2_XXS, F16, BF16) that read the packed bytes, decode them and reduce against
+  the activations, which Inductor fuses into one loop over the weight's bytes; run eagerly they
+  would materialize a [rows, out, in] product, so only compiled kernels are handed out
+  (`linear_kernel`, `pairs_kernel`). They read the weight once per row (`MAX_ROWS`).
+
+Both are off where torch.compile is disabled, as all of the compiled path. Per block the
+arithmetic is the format's (`dequant.py` stays the reference), so results differ from
+"dequantize, then matmul" by float32 summation order only.
+
+Measured on the 2-core AVX-512 machine, one row through a [2048, 4096] weight (8M values): C++
+IQ2_XXS 1.0 ms, Q4_K 1.2 ms, Q2_K 2.9 ms, Q8_0 [4096, 4096] 0.9 ms; Inductor Q8_0 0.7 ms, Q2_K
+1.4-2.5 ms, IQ2_XXS 3.2-6.6 ms (its grid lookups vectorize poorly); against 11-30 ms to
+dequantize it eagerly and multiply, and 1.7 ms for float32 weights in ``F.linear`` (0.6 ms bf16).
 """
 
 from __future__ import annotations
@@ -30,31 +35,34 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import numpy as np
 import torch
-from gguf.quants import IQ2_XXS as _GGUF_IQ2_XXS
 
 from ds4_vllm.model.quant import QuantType
 from ds4_vllm.model.quant.dequant import _table
 
 logger = logging.getLogger(__name__)
 
-#: Rows of activations up to which a fused kernel beats dequantizing the weight and multiplying
-#: (`quant_linear`): the kernel reads the weight once per row. Measured for the 129,280 x 256
-#: Q8_0 head: 4.7 / 18.7 / 29.7 ms fused for 1 / 4 / 8 rows against 44.6 / 32.8 / 30.5 ms; for
-#: a [4096, 1024] weight 0.40 / 1.47 / 3.44 against 1.94 / 3.32 / 3.34 ms.
-MAX_ROWS = 4
-#: The same for the C++ loops (`native_extension`), which take a weight row from memory once for
-#: all rows: the 129,280 x 256 Q8_0 head, 2.1 / 8.0 ms for 1 / 4 rows against 28-30 ms
-#: dequantized in row blocks for 1-8 rows; [4096, 1024], 0.23 / 0.83 ms against 1.9-3.3 ms.
-NATIVE_MAX_ROWS = 8
-#: (token, expert) pairs up to which routed experts may run pair by pair through the kernel (each
-#: pair reads its expert's bytes) rather than dequantizing each used expert once: a decode batch
-#: of 8 at top-6 (`QuantExperts._fused_fits` also asks for few pairs per used expert).
-MAX_PAIRS = 48
+#: Rows per weight matrix up to which the Inductor kernels beat dequantizing the weight and
+#: multiplying: they read the weight once per row. Measured for the 129,280 x 256 Q8_0 head:
+#: 4.7 / 18.7 / 29.7 ms fused for 1 / 4 / 8 rows against 44.6 / 32.8 / 30.5 ms; for a
+#: [4096, 1024] weight 0.40 / 1.47 / 3.44 against 1.94 / 3.32 / 3.34 ms; routed IQ2_XXS experts
+#: break even at 2 rows per expert.
+MAX_ROWS = 2
+#: The same for the C++ loops (`native_extension`), which decode a weight row once for all the
+#: rows that go through its matrix. Measured per [2048, 4096] matrix (1 / 8 / 32 / 64 rows):
+#: IQ2_XXS 1.0 / 4.3 / 13.3 / 25.7 ms against 23-30 ms dequantized and multiplied; Q2_K
+#: [4096, 2048] 2.9 / 5.6 / 14.6 / 28.9 against 18.6-26.8 ms; Q8_0 [4096, 4096] 0.9 / 8.8 / 30.0
+#: / 50.0 against 29.8-45.0 ms.
+NATIVE_MAX_ROWS = 32
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PairsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``(x [P, K] float32, data [E, N, row bytes], matrix [S], starts [S + 1]) -> [P, N]``: rows
+#: ``starts[s]:starts[s + 1]`` of x through matrix ``matrix[s]`` of the packed stack; with
+#: matrix and starts None, every row through the one matrix data [N, row bytes].
+SegmentsKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor
+]
 
 
 def _fp16_field(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -138,7 +146,6 @@ _FORMATS: dict[QuantType, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] 
     QuantType.F16: _plain(torch.float16),
     QuantType.BF16: _plain(torch.bfloat16),
 }
-FUSED_TYPES = frozenset(_FORMATS)
 
 
 def _linear(qtype: QuantType) -> LinearKernel:
@@ -202,47 +209,81 @@ def pairs_kernel(qtype: QuantType) -> PairsKernel | None:
 
 @dataclass(frozen=True)
 class FusedKernels:
-    """The compiled kernels of one block format, as the model's layers call them."""
+    """The kernels of one block format, as the model's layers call them."""
 
     qtype: QuantType
-    linear: LinearKernel
-    pairs: PairsKernel
-    #: Rows up to which a dense or grouped projection takes the kernel.
-    max_rows: int = MAX_ROWS
-    #: (token, expert) pairs up to which routed experts take the kernel.
-    max_pairs: int = MAX_PAIRS
+    segments: SegmentsKernel
+    #: Rows per weight matrix up to which these beat dequantizing and multiplying.
+    max_rows: int
+    #: Inductor's kernels, compiled on first use for each shape Dynamo tells apart (else the C++ loop).
+    compiled: bool
 
     def project(self, x: torch.Tensor, data: torch.Tensor, groups: int = 0) -> torch.Tensor:
         """``x @ W.T`` for packed rows ``data`` [out, row bytes] (``groups`` 0), or the grouped
         projection: x [t, g, in / g], group j through rows j of the g equal row blocks."""
-        rows = x.reshape(-1, x.shape[-1]).float()
         if groups:
-            ids = torch.arange(groups, device=x.device).repeat(x.shape[0])
-            out = self.pairs(rows, data.view(groups, -1, data.shape[-1]), ids)
-        else:
-            out = self.linear(rows, data)
+            t = x.shape[0]
+            rows = x.transpose(0, 1).reshape(groups * t, x.shape[-1]).float()
+            matrix = torch.arange(groups, device=x.device)
+            out = self.segments(
+                rows,
+                data.view(groups, -1, data.shape[-1]),
+                matrix,
+                torch.arange(0, groups * t + 1, t, device=x.device),
+            )
+            return out.view(groups, t, -1).transpose(0, 1).to(x.dtype)
+        out = self.segments(x.reshape(-1, x.shape[-1]).float(), data, None, None)
         return out.view(*x.shape[:-1], -1).to(x.dtype)
 
-    def matrices(self, x: torch.Tensor, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Row p of x [P, in] through matrix ``ids[p]`` of the packed stack ``data`` [E, out, row bytes]."""
-        return self.pairs(x.float(), data, ids).to(x.dtype)
+    def matrices(
+        self, x: torch.Tensor, data: torch.Tensor, matrix: torch.Tensor, starts: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``starts[s]:starts[s + 1]`` of x [P, in] through matrix ``matrix[s]`` of the packed
+        stack ``data`` [E, out, row bytes] -> [P, out]."""
+        return self.segments(x.float(), data, matrix, starts).to(x.dtype)
 
 
 def kernels_for(qtype: QuantType) -> FusedKernels | None:
     """The fused kernels of a format; None without a kernel or with torch.compile off."""
+    if not compile_enabled():
+        return None
+    native = _native_segments(qtype)
+    if native is not None:
+        return FusedKernels(qtype, native, NATIVE_MAX_ROWS, compiled=False)
     linear, pairs = linear_kernel(qtype), pairs_kernel(qtype)
     if linear is None or pairs is None:
         return None
-    native = _native_pairs(qtype)
-    if native is not None:
-        return FusedKernels(qtype, _one_matrix(native), native, max_rows=NATIVE_MAX_ROWS)
-    return FusedKernels(qtype, linear, pairs)
+    return FusedKernels(qtype, _inductor_segments(linear, pairs), MAX_ROWS, compiled=True)
 
 
-#: Formats with a C++ loop in ``packed_cpu.cpp`` (its function names), where Inductor's code for
-#: the expression is slow: IQ2_XXS (grid lookups; 1.75 against 7 ms per [2048, 4096] matrix) and
-#: Q8_0 (the LM head).
-_NATIVE = {QuantType.IQ2_XXS: "iq2_xxs_pairs", QuantType.Q8_0: "q8_0_pairs"}
+def _inductor_segments(linear: LinearKernel, pairs: PairsKernel) -> SegmentsKernel:
+    """Segments through the Inductor kernels: one matrix is a linear layer, else row by row."""
+
+    def segments(
+        x: torch.Tensor, data: torch.Tensor, matrix: torch.Tensor | None, starts: torch.Tensor | None
+    ) -> torch.Tensor:
+        if matrix is None or starts is None:
+            return linear(x, data)
+        return pairs(x, data, matrix.repeat_interleave(starts.diff(), output_size=x.shape[0]))
+
+    return segments
+
+
+#: Formats of the C++ loop in ``packed_cpu.cpp``, with its format codes: faster than Inductor's
+#: code for the expressions (IQ2_XXS: grid lookups, 1.75 against 7 ms per [2048, 4096] matrix;
+#: Q8_0: the LM head), and they decode a row once for all rows through it.
+_NATIVE_FORMATS = {
+    QuantType.Q8_0: 0,
+    QuantType.Q2_K: 1,
+    QuantType.Q4_K: 2,
+    QuantType.IQ2_XXS: 3,
+    QuantType.F16: 4,
+    QuantType.BF16: 5,
+}
+#: Formats with Inductor kernels, with the C++ loop, with either.
+INDUCTOR_TYPES = frozenset(_FORMATS)
+NATIVE_TYPES = frozenset(_NATIVE_FORMATS)
+FUSED_TYPES = INDUCTOR_TYPES | NATIVE_TYPES
 
 
 @cache
@@ -269,46 +310,53 @@ def build_native_extension(name: str, flags: list[str]):
     return load(name, [str(Path(__file__).with_name("packed_cpu.cpp"))], extra_cflags=flags)
 
 
-def _iq2_tables() -> tuple[torch.Tensor, torch.Tensor]:
-    """gguf-py's IQ2_XXS grid [256, 8] (magnitudes) and ksigns [128], as uint8 tensors."""
-    _GGUF_IQ2_XXS.init_grid()
-    grid = np.asarray(_GGUF_IQ2_XXS.grid, dtype=np.uint8).reshape(256, 8).copy()
-    ksigns = np.frombuffer(_GGUF_IQ2_XXS.ksigns, dtype=np.uint8).copy()
-    return torch.from_numpy(grid), torch.from_numpy(ksigns)
+_NO_TABLE = torch.empty(0, dtype=torch.uint8)
+#: Whether torch.profiler is recording (a ``record_function`` costs ~8 us, a small matrix's product).
+_profiling = torch._C._autograd._profiler_enabled
 
 
-def _native_pairs(qtype: QuantType) -> PairsKernel | None:
-    name = _NATIVE.get(qtype)
-    extension = native_extension() if name is not None else None
+def _iq2_xxs_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """The IQ2_XXS tables as the C++ loop reads them, from the signed grid (row g * 128 + p: grid
+    row g with sign pattern p): the magnitudes [256, 8] (pattern 0 has no signs) and the
+    patterns [128] as bytes (bit j: value j is negative)."""
+    grid = _IQ2_GRID[::128].abs().to(torch.uint8).contiguous()
+    negative = (_IQ2_GRID[:128] < 0).to(torch.int32)
+    ksigns = (negative << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+    return grid, ksigns
+
+
+def _native_segments(qtype: QuantType, extension=None) -> SegmentsKernel | None:
+    """The C++ segments loop for a format (of ``extension``, default `native_extension`), or None."""
+    code = _NATIVE_FORMATS.get(qtype)
+    if code is None:
+        return None
+    extension = extension or native_extension()
     if extension is None:
         return None
-    function = getattr(extension, name)
-    tables = _iq2_tables() if qtype is QuantType.IQ2_XXS else ()
+    grid, ksigns = _iq2_xxs_tables() if qtype is QuantType.IQ2_XXS else (_NO_TABLE, _NO_TABLE)
 
-    label = f"ds4_vllm::{name}"  # named in torch.profiler's tables, which skip pybind calls
+    label = f"ds4_vllm::segments_{qtype.value}"
 
-    def pairs(x: torch.Tensor, data: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        with torch.profiler.record_function(label):
-            return function(x.contiguous(), data.contiguous(), ids.to(torch.int64), *tables)
+    def segments(
+        x: torch.Tensor, data: torch.Tensor, matrix: torch.Tensor | None, starts: torch.Tensor | None
+    ) -> torch.Tensor:
+        args = (code, x.contiguous(), data.contiguous(), matrix, starts, grid, ksigns)
+        if not _profiling():
+            return extension.segments(*args)
+        with torch.profiler.record_function(label):  # named in the profiler's tables, which skip pybind calls
+            return extension.segments(*args)
 
-    return pairs
-
-
-def _one_matrix(pairs: PairsKernel) -> LinearKernel:
-    """A pairs kernel as a linear one: every row through the one matrix ``data`` [N, row bytes]."""
-
-    def linear(x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-        return pairs(x, data.unsqueeze(0), torch.zeros(x.shape[0], dtype=torch.int64, device=x.device))
-
-    return linear
+    return segments
 
 
 __all__ = [
     "FUSED_TYPES",
-    "MAX_PAIRS",
+    "INDUCTOR_TYPES",
+    "NATIVE_TYPES",
     "MAX_ROWS",
     "NATIVE_MAX_ROWS",
     "FusedKernels",
+    "SegmentsKernel",
     "build_native_extension",
     "compile_enabled",
     "kernels_for",

@@ -55,9 +55,6 @@ ROW_BLOCK_MAX_TOKENS = 256
 #: Off the CPU, steps with at most this many (token, expert) pairs gather each pair's expert
 #: weights on the device (`QuantExperts._forward_gathered`): a decode batch of 32 at top-6.
 GATHERED_PAIRS = 192
-#: On a CPU with fused kernels, steps with at most this many (token, expert) pairs per used
-#: expert run pair by pair (`QuantExperts._fused_fits`).
-FUSED_PAIRS_PER_EXPERT = 2
 
 
 def quant_linear(x: torch.Tensor, weight: WeightLike, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -426,10 +423,10 @@ class QuantExperts(nn.Module):
         """``x`` [tokens, hidden]; ``indices``/``weights`` [tokens, top_k] from the router."""
         if x.device.type != "cpu" and indices.numel() <= GATHERED_PAIRS:
             return self._forward_gathered(x, indices, weights)
-        if x.device.type == "cpu" and self._fused_fits(indices):
-            return self._forward_gathered(x, indices, weights)
-        if x.shape[0] == 1 and (out := self._forward_one_token(x, indices[0], weights[0])) is not None:
-            return out
+        fused = self._fused_kernels(x)
+        if fused is None and x.shape[0] == 1:
+            if (out := self._forward_one_token(x, indices[0], weights[0])) is not None:
+                return out
         out = torch.zeros_like(x)
         top_k = indices.shape[1]
         flat = indices.flatten()
@@ -438,12 +435,16 @@ class QuantExperts(nn.Module):
         used = counts.nonzero().flatten()
         if len(self.experts) < self.n_experts:  # expert parallel: this rank's experts only
             used = used[(used >= self.experts.start) & (used < self.experts.stop)]
-        starts = (torch.cumsum(counts, 0) - counts)[used].tolist()
-        used_counts = counts[used].tolist()
+        starts = torch.cumsum(counts, 0) - counts
         token_of, slot_of = order // top_k, order % top_k
+        if fused is not None:  # experts with few tokens: their packed bytes read once, in one call
+            few = counts[used] <= fused.max_rows
+            self._experts_fused(x, weights, used[few], counts, starts, token_of, slot_of, out)
+            used = used[~few]
+        starts_list, counts_list = starts[used].tolist(), counts[used].tolist()
         for pairs, (gate, up, down), in_place in self._weight_groups(used - self.experts.start, x.dtype):
             for j, w_index in pairs:
-                start, count = starts[j], used_counts[j]
+                start, count = starts_list[j], counts_list[j]
                 tokens = token_of[start : start + count]
                 slots = slot_of[start : start + count]
                 stored = w_index if in_place else None
@@ -451,25 +452,53 @@ class QuantExperts(nn.Module):
                 out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
         return out
 
-    def _fused_fits(self, indices: torch.Tensor) -> bool:
-        """Whether the fused kernels beat dequantizing each used expert once: few pairs, and
-        few pairs per used expert (a batch whose tokens share experts reuses their dequantized
-        weights; measured on IQ2_XXS, 2 pairs per expert is where they break even)."""
-        projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if not all(p.fused is not None and indices.numel() <= p.fused.max_pairs for p in projections):
-            return False
-        used = int((torch.bincount(indices.flatten(), minlength=self.n_experts) > 0).sum())
-        return indices.numel() <= FUSED_PAIRS_PER_EXPERT * used
+    def _fused_kernels(self, x: torch.Tensor) -> FusedKernels | None:
+        """The fused kernels of the packed CPU stacks, when all three projections have them."""
+        kernels = [p.fused for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        if x.device.type != "cpu" or any(k is None for k in kernels):
+            return None
+        return min(kernels, key=lambda k: k.max_rows)  # type: ignore[union-attr]
+
+    def _experts_fused(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        counts: torch.Tensor,
+        starts: torch.Tensor,
+        token_of: torch.Tensor,
+        slot_of: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Experts ``experts`` (global ids, ascending) on their tokens through the fused kernels,
+        added into ``out`` as the loop of `forward` adds them (pairs in expert order).
+
+        ``counts``/``starts``: per expert, its pairs in ``token_of``/``slot_of`` (pairs sorted by expert).
+        """
+        if experts.numel() == 0:
+            return
+        n = counts[experts]
+        # The sorted pairs of these experts: pair i of expert e is entry starts[e] + i.
+        first = torch.repeat_interleave(starts[experts] - (torch.cumsum(n, 0) - n), n)
+        pairs = first + torch.arange(first.numel())
+        tokens, slots = token_of[pairs], slot_of[pairs]
+        matrix = experts - self.experts.start
+        bounds = torch.cat((n.new_zeros(1), torch.cumsum(n, 0)))
+        rows = x[tokens]
+        g = self.gate_proj.fused.matrices(rows, self.gate_proj.weight_packed, matrix, bounds)
+        u = self.up_proj.fused.matrices(rows, self.up_proj.weight_packed, matrix, bounds)
+        h = F.silu(g.clamp(max=self.limit)) * u.clamp(min=-self.limit, max=self.limit)
+        y = self.down_proj.fused.matrices(h, self.down_proj.weight_packed, matrix, bounds)
+        out.index_add_(0, tokens, y * weights[tokens, slots, None].to(x.dtype))
 
     def _forward_gathered(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Each (token, expert) pair through its expert's weights, read where they lie: nothing
         is read back to the host and the shapes do not depend on the routing (what a CUDA graph
-        needs). On an accelerator each pair's weights are gathered and dequantized; on a CPU
-        with fused kernels (`_fused_fits`) the kernels read each pair's packed bytes. Either
-        reads each picked expert once per pair, as the general path does per expert; for
-        prefill-sized batches that would cost too much.
+        needs). Each pair's weights are gathered and dequantized on the accelerator, so each
+        picked expert is read once per pair rather than once per step as in the general path;
+        for prefill-sized batches that would cost too much.
         """
         tokens, top_k = indices.shape
         local = indices.flatten() - self.experts.start
@@ -485,9 +514,6 @@ class QuantExperts(nn.Module):
     @staticmethod
     def _pairs_through(proj: QuantExpertWeight, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Row p of ``rows`` [P, in] through local expert ``local[p]`` of ``proj`` -> [P, out]."""
-        fused = proj.fused
-        if fused is not None and rows.device.type == "cpu":
-            return fused.matrices(rows, proj.weight_packed, local)
         w = proj.expert_weights(local, rows.dtype, check_index=False)
         return torch.bmm(w, rows.unsqueeze(-1)).squeeze(-1)
 
