@@ -236,13 +236,23 @@ def in_process_engine_core() -> Iterator[None]:
 
 
 def engine_measurements(
-    model: str, config: Any, lengths: Sequence[int], repeats: int, decode_context: int, decode_tokens: int
+    model: str,
+    config: Any,
+    lengths: Sequence[int],
+    repeats: int,
+    decode_context: int,
+    decode_tokens: int,
+    kv_cache_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """Engine prefill (TTFT) per length and the batch-1 decode step with our model's share."""
+    """Engine prefill (TTFT) per length and the batch-1 decode step with our model's share.
+
+    ``kv_cache_bytes``: vLLM's KV pool (default: the benchmarks' 2 GiB), part of the peak memory.
+    """
     timer = ModelTimer()
     max_len = max([*lengths, decode_context + decode_tokens]) + 16
+    pool = {} if kv_cache_bytes is None else {"kv_cache_memory_bytes": kv_cache_bytes}
     with in_process_engine_core(), timer.installed():
-        llm = make_engine(model=model, max_model_len=max_len, enable_prefix_caching=False)
+        llm = make_engine(model=model, max_model_len=max_len, enable_prefix_caching=False, **pool)
         try:
             timed_generate(llm, random_prompts([64], seed=1), 2)  # warm-up
             prefill = {}

@@ -29,6 +29,7 @@ from ds4_vllm.model.rope import TailRope
 
 NEG_INF = float("-inf")
 QUERY_BLOCK = 512  # queries attended together; bounds memory for long prefills
+PICKED_BLOCK = 64  # queries whose indexer-picked rows are gathered at once (ratio-4 layers)
 TIE_CHECK_QUERIES = 64  # above this many queries, top-k ties are looked for before they are redone
 
 
@@ -304,6 +305,7 @@ class Ds4Attention(nn.Module):
             out = self.step_attention(q, kv, q_res, y, positions)
         else:
             out = self.attend(q, kv, q_res, y, positions, metadata)
+        del q, kv  # a prefill chunk's queries are as large as its output: not kept through the projections
 
         out = self.rope(out, positions, inverse=True)
         z = self.o_a_proj.grouped(out.reshape(n, self.o_groups, -1)).reshape(n, -1)
@@ -421,8 +423,18 @@ class Ds4Attention(nn.Module):
         picked = None
         if count and self.ratio == 4:
             indices, valid = self.compressor.indexer.select(q_res, y, q_pos, index_keys[:count])
-            picked = comp_keys[indices]  # [t, k, d]
-            comp_logits = torch.einsum("thd,tkd->thk", qf, picked) * scale
+            # Each query's picked rows [t, k, d] are gathered PICKED_BLOCK queries at a time, once
+            # for the logits and again for the output (512 queries' at real widths: 512 MiB).
+            picked = indices.split(PICKED_BLOCK)
+            comp_logits = (
+                torch.cat(
+                    [
+                        torch.einsum("thd,tkd->thk", qb, comp_keys[ib])
+                        for qb, ib in zip(qf.split(PICKED_BLOCK), picked, strict=True)
+                    ]
+                )
+                * scale
+            )
             logits = torch.cat([logits, comp_logits.masked_fill(~valid[:, None, :], NEG_INF)], dim=-1)
         elif count:
             comp = comp_keys[:count]
@@ -434,7 +446,13 @@ class Ds4Attention(nn.Module):
         window_keys = keys.shape[0]
         out = torch.einsum("thk,kd->thd", probs[..., :window_keys], keys)
         if picked is not None:
-            out = out + torch.einsum("thk,tkd->thd", probs[..., window_keys:-1], picked)
+            comp_probs = probs[..., window_keys:-1].split(PICKED_BLOCK)
+            out = out + torch.cat(
+                [
+                    torch.einsum("thk,tkd->thd", pb, comp_keys[ib])
+                    for pb, ib in zip(comp_probs, picked, strict=True)
+                ]
+            )
         elif count:
             out = out + torch.einsum("thk,kd->thd", probs[..., window_keys:-1], comp)
         return out.to(q.dtype)

@@ -163,14 +163,19 @@ class ShardedEmbedding(nn.Module):
         self.tp = tp
         self.rows = tp.part(vocab, "the vocabulary size")
         split = Split(0, self.rows, vocab) if tp.size > 1 else None
-        self.weight = split_parameter(nn.Parameter(torch.zeros(len(self.rows), hidden)), split)
+        # Not filled here (nothing touched): the loader installs the checkpoint's table.
+        self.weight = split_parameter(nn.Parameter(torch.empty(len(self.rows), hidden)), split)
+        #: The loader may keep the table in the checkpoint's dtype when it is no wider than this
+        #: one (a memory-mapped F16 table stays a view of the file); looked-up rows are converted.
+        self.weight.keeps_checkpoint_dtype = True
+        self.dtype = self.weight.dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight).to(self.dtype)
         mine = (ids >= self.rows.start) & (ids < self.rows.stop)
         local = torch.where(mine, ids - self.rows.start, 0)
-        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        out = F.embedding(local, self.weight).to(self.dtype) * mine.unsqueeze(-1).to(self.dtype)
         return self.tp.all_reduce(out)
 
 

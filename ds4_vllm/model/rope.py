@@ -77,7 +77,8 @@ class TailRope(torch.nn.Module):
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x: [T, ..., D] with positions [T]."""
+        """x: [T, ..., D] with positions [T]. ``inverse`` rotates x in place (the attention output,
+        which nothing else reads: a prefill chunk's is 256 MiB at real widths) and returns it."""
         cos, sin = self.cos_sin(positions)
         if inverse:
             sin = -sin
@@ -86,4 +87,7 @@ class TailRope(torch.nn.Module):
         rope = x[..., -self.rope_dim :].float()
         even, odd = rope[..., 0::2], rope[..., 1::2]
         rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+        if inverse:
+            x[..., -self.rope_dim :] = rotated.to(x.dtype)
+            return x
         return torch.cat([x[..., : -self.rope_dim], rotated.to(x.dtype)], dim=-1)

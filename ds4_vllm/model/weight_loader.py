@@ -170,8 +170,17 @@ class CheckpointLoader:
             or value.dtype == torch.float8_e4m3fn
         ):
             raise ValueError(f"checkpoint tensor {name!r} is {value.dtype}; {target!r} is {param.dtype}")
-        with torch.no_grad():
-            param.copy_(value.to(param.dtype))
+        if (
+            getattr(param, "keeps_checkpoint_dtype", False)
+            and value.dtype.is_floating_point
+            and value.element_size() <= param.element_size()
+        ):
+            # Kept as stored (the model converts what it reads): no copy of a memory-mapped table,
+            # only this rank's part of one split across ranks.
+            param.data = value.to(param.device) if split is None else value.to(param.device).clone()
+        else:
+            with torch.no_grad():
+                param.copy_(value.to(param.dtype))
         self.loaded.add(target)
 
     def _check_complete(self) -> None:

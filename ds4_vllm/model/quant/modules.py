@@ -52,6 +52,9 @@ ROW_BLOCK_BYTES = 8 << 20
 #: Up to this many tokens the row blocks are faster (measured 1 to 256; at 2,048, a prefill
 #: chunk, the whole weight is faster: the matmul dominates and reuses one dequantization).
 ROW_BLOCK_MAX_TOKENS = 256
+#: Tokens per product of a grouped projection (`QuantLinear.grouped`) with a float weight: the
+#: product copies its input once more, 256 MiB for a 2,048-token chunk at real widths in one go.
+GROUPED_TOKEN_BLOCK = 256
 #: Off the CPU, steps with at most this many (token, expert) pairs gather each pair's expert
 #: weights on the device (`QuantExperts._forward_gathered`): a decode batch of 32 at top-6.
 GATHERED_PAIRS = 192
@@ -233,7 +236,14 @@ class QuantLinear(_PackedWeightHolder):
                 return fused.project(x, self.weight_packed, groups)
         if groups:
             weight = self.dequantized_weight(x.dtype).view(groups, -1, x.shape[-1])
-            return torch.einsum("tgi,goi->tgo", x, weight)
+            if x.shape[0] <= GROUPED_TOKEN_BLOCK or torch.compiler.is_compiling():  # one graph for any length
+                return torch.einsum("tgi,goi->tgo", x, weight)
+            # In token blocks: the product's batched matmul copies its [g, t, in/g] input.
+            out = x.new_empty(x.shape[0], groups, weight.shape[1])
+            for start in range(0, x.shape[0], GROUPED_TOKEN_BLOCK):
+                block = slice(start, start + GROUPED_TOKEN_BLOCK)
+                out[block] = torch.einsum("tgi,goi->tgo", x[block], weight)
+            return out
         fast = self.fast_linear
         if fast is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
             return fast(x)
