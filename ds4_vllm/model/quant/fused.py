@@ -20,7 +20,7 @@ arithmetic is the format's (`dequant.py` stays the reference), so results differ
 "dequantize, then matmul" by float32 summation order only.
 
 Measured on the 2-core AVX-512 machine, one row through a [2048, 4096] weight (8M values): C++
-IQ2_XXS 1.0 ms, Q4_K 1.2 ms, Q2_K 2.9 ms, Q8_0 [4096, 4096] 0.9 ms; Inductor Q8_0 0.7 ms, Q2_K
+IQ2_XXS 1.0 ms, Q4_K 1.2 ms, Q2_K [4096, 2048] 1.6 ms, Q8_0 [4096, 4096] 0.9 ms; Inductor Q8_0 0.7 ms, Q2_K
 1.4-2.5 ms, IQ2_XXS 3.2-6.6 ms (its grid lookups vectorize poorly); against 11-30 ms to
 dequantize it eagerly and multiply, and 1.7 ms for float32 weights in ``F.linear`` (0.6 ms bf16).
 """
@@ -51,7 +51,7 @@ MAX_ROWS = 2
 #: The same for the C++ loops (`native_extension`), which decode a weight row once for all the
 #: rows that go through its matrix. Measured per [2048, 4096] matrix (1 / 8 / 32 / 64 rows):
 #: IQ2_XXS 1.0 / 4.3 / 13.3 / 25.7 ms against 23-30 ms dequantized and multiplied; Q2_K
-#: [4096, 2048] 2.9 / 5.6 / 14.6 / 28.9 against 18.6-26.8 ms; Q8_0 [4096, 4096] 0.9 / 8.8 / 30.0
+#: [4096, 2048] 1.6 / 2.8 / 14.6 / 28.9 against 18.6-26.8 ms; Q8_0 [4096, 4096] 0.9 / 8.8 / 30.0
 #: / 50.0 against 29.8-45.0 ms.
 NATIVE_MAX_ROWS = 32
 
