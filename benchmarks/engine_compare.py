@@ -86,11 +86,13 @@ def run_engine(bench: Path, model: Path, context: int, gen_tokens: int, threads:
 
 
 def run_ours(
-    model: Path, config: Any, context: int, decode_tokens: int, kv_cache_bytes: int
+    model: Path, config: Any, context: int, decode_tokens: int, kv_cache_bytes: int, max_num_seqs: int | None
 ) -> dict[str, Any]:
     from benchmarks.model_scaling import engine_measurements
 
-    result = engine_measurements(str(model), config, [context], 1, context, decode_tokens, kv_cache_bytes)
+    result = engine_measurements(
+        str(model), config, [context], 1, context, decode_tokens, kv_cache_bytes, max_num_seqs
+    )
     decode = result["decode_batch1"]
     return {
         "prefill_s": result["prefill"][str(context)]["ttft_s"],
@@ -114,6 +116,12 @@ def main() -> None:
         help="vLLM's KV pool (part of our peak memory; a 2k context of the slice needs a few MiB, "
         "the engine sizes its own to the context)",
     )
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="vLLM's batch limit (default vLLM's: 256 on a CPU; its start-up sampler run sizes buffers by it)",
+    )
     ap.add_argument("--build-script", type=Path, default=BUILD_SCRIPT, help="the engine's build recipe")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR / datetime.date.today().isoformat())
     args = ap.parse_args()
@@ -126,7 +134,9 @@ def main() -> None:
         print(f"ds4 engine, {args.context} tokens:", flush=True)
         engine = run_engine(bench, model, args.context, args.gen_tokens, args.threads)
     print(f"ours, {args.context} tokens:", flush=True)
-    ours = run_ours(model, config, args.context, args.decode_tokens, args.kv_cache_mib << 20)
+    ours = run_ours(
+        model, config, args.context, args.decode_tokens, args.kv_cache_mib << 20, args.max_num_seqs
+    )
 
     engine_prefill_s = args.context / engine["prefill_tokens_per_s"]
     engine_decode_ms = 1e3 / engine["decode_tokens_per_s"]

@@ -243,14 +243,19 @@ def engine_measurements(
     decode_context: int,
     decode_tokens: int,
     kv_cache_bytes: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> dict[str, Any]:
     """Engine prefill (TTFT) per length and the batch-1 decode step with our model's share.
 
-    ``kv_cache_bytes``: vLLM's KV pool (default: the benchmarks' 2 GiB), part of the peak memory.
+    ``kv_cache_bytes``: vLLM's KV pool (default: the benchmarks' 2 GiB); ``max_num_seqs``: vLLM's
+    batch limit (default: vLLM's, 256 on a CPU), whose dummy sampler run at start-up sizes
+    its logits buffers. Both are part of the peak memory.
     """
     timer = ModelTimer()
     max_len = max([*lengths, decode_context + decode_tokens]) + 16
     pool = {} if kv_cache_bytes is None else {"kv_cache_memory_bytes": kv_cache_bytes}
+    if max_num_seqs is not None:
+        pool["max_num_seqs"] = max_num_seqs
     with in_process_engine_core(), timer.installed():
         llm = make_engine(model=model, max_model_len=max_len, enable_prefix_caching=False, **pool)
         try:

@@ -45,8 +45,13 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return RELATIVE_BOUND * F.linear(x.abs(), w.abs()) + 1e-30
 
 
-INDUCTOR_TYPES = sorted(fused.INDUCTOR_TYPES, key=lambda q: q.value)
 NATIVE_TYPES = sorted(fused.NATIVE_TYPES, key=lambda q: q.value)
+#: The Inductor expressions run only where the C++ loop cannot be built; each compiles for
+#: seconds, so CI checks IQ2_XXS (the most involved) and the heavy run every format.
+INDUCTOR_TYPES = [
+    q if q is QuantType.IQ2_XXS else pytest.param(q, marks=pytest.mark.heavy)
+    for q in sorted(fused.INDUCTOR_TYPES, key=lambda q: q.value)
+]
 
 
 @pytest.mark.parametrize("qtype", INDUCTOR_TYPES)
