@@ -28,7 +28,7 @@ from ds4_vllm.model.quant.modules import QuantLinear
 from ds4_vllm.model.rope import TailRope
 
 NEG_INF = float("-inf")
-QUERY_BLOCK = 512  # queries attended together; bounds memory for long prefills
+QUERY_BLOCK = 128  # queries attended together; bounds memory for long prefills
 PICKED_BLOCK = 64  # queries whose indexer-picked rows are gathered at once (ratio-4 layers)
 TIE_CHECK_QUERIES = 64  # above this many queries, top-k ties are looked for before they are redone
 
@@ -295,27 +295,36 @@ class Ds4Attention(nn.Module):
                 )
 
     def forward(self, y: torch.Tensor, positions: torch.Tensor, metadata: dict | None) -> torch.Tensor:
-        n = y.shape[0]
         q_res = self.q_a_norm(self.q_a_proj(y))
-        q = rms_norm(self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim), self.eps)
-        q = self.rope(q, positions)
         kv = self.rope(self.kv_norm(self.kv_proj(y)), positions)
-
         if self.step_attention is not None:
-            out = self.step_attention(q, kv, q_res, y, positions)
+            z = self.step_attention(q_res, kv, y, positions)
         else:
-            out = self.attend(q, kv, q_res, y, positions, metadata)
-        del q, kv  # a prefill chunk's queries are as large as its output: not kept through the projections
-
-        out = self.rope(out, positions, inverse=True)
-        z = self.o_a_proj.grouped(out.reshape(n, self.o_groups, -1)).reshape(n, -1)
+            z = self.attend(q_res, kv, y, positions, metadata)
         return self.tp.all_reduce(self.o_b_proj(z))
 
-    def attend(self, q, kv, q_res, y, positions, metadata: dict | None) -> torch.Tensor:
-        """Store the step's rows in the caches, then attend: the per-step, data-dependent part."""
+    def queries(self, q_res: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[t, heads, head_dim]: the normed, rotated queries of ``t`` tokens."""
+        q = rms_norm(self.q_b_proj(q_res).view(q_res.shape[0], self.n_heads, self.head_dim), self.eps)
+        return self.rope(q, positions)
+
+    def output_groups(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[t, o_groups * o_lora_rank]: attention outputs rotated back, each group projected."""
+        n = out.shape[0]
+        out = self.rope(out, positions, inverse=True)
+        return self.o_a_proj.grouped(out.reshape(n, self.o_groups, -1)).reshape(n, -1)
+
+    def attend(self, q_res, kv, y, positions, metadata: dict | None) -> torch.Tensor:
+        """Store the step's rows in the caches, then attend: the per-step, data-dependent part.
+
+        Returns the grouped output projection's result. A prefill makes its queries and outputs
+        one block of ``QUERY_BLOCK`` queries at a time: a 2,048-token chunk's queries at real
+        widths are 256 MiB in float32, as is its attention output, and neither is ever whole.
+        """
+        n = q_res.shape[0]
         if metadata is None:
             # Profiling / warm-up run: no cache is bound, no state to read or write.
-            return torch.zeros_like(q)
+            return q_res.new_zeros(n, self.o_a_proj.out_features)
         swa_meta: Ds4CacheMetadata = metadata[self.swa_cache.prefix]
         plan = swa_meta.plan
         if self.finish_kv is not None:  # here, not in the compiled graph: exact FP8 rounding
@@ -327,23 +336,25 @@ class Ds4Attention(nn.Module):
                 self.compressor.indexer.compressor.update(y, positions, plan, metadata)
 
         if plan.is_decode:
-            return self._attend_decode(q, q_res, y, positions, swa_meta, metadata, plan)
-        out = torch.empty_like(q)
+            q = self.queries(q_res, positions)
+            out = self._attend_decode(q, q_res, y, positions, swa_meta, metadata, plan)
+            return self.output_groups(out, positions)
+        z = q_res.new_empty(n, self.o_a_proj.out_features)
         for request, queries, first_pos, seq_len in plan.requests():
             # Compressed rows (and indexer rows) are read once per request and step, not per block.
             comp_keys = index_keys = None
             if self.compressor is not None and seq_len // self.ratio:
-                comp_keys = self.compressor.rows(metadata, request, seq_len // self.ratio, q.device).float()
+                comp_keys = self.compressor.rows(metadata, request, seq_len // self.ratio, y.device).float()
                 if self.ratio == 4:
                     indexer = self.compressor.indexer
-                    index_keys = indexer.compressor.rows(metadata, request, seq_len // 4, q.device).float()
+                    index_keys = indexer.compressor.rows(metadata, request, seq_len // 4, y.device).float()
             # Query blocks bound the work and memory to block x (window + compressed rows).
             for start in range(queries.start, queries.stop, QUERY_BLOCK):
                 block = slice(start, min(start + QUERY_BLOCK, queries.stop))
                 block_first = first_pos + (start - queries.start)
                 block_end = block_first + (block.stop - block.start)
-                out[block] = self._attend_block(
-                    q[block],
+                out = self._attend_block(
+                    self.queries(q_res[block], positions[block]),
                     q_res[block],
                     y[block],
                     positions[block],
@@ -354,7 +365,8 @@ class Ds4Attention(nn.Module):
                     comp_keys,
                     index_keys,
                 )
-        return out
+                z[block] = self.output_groups(out, positions[block])
+        return z
 
     def _attend_decode(
         self, q, q_res, y, positions, swa_meta, metadata: dict, plan: BatchPlan

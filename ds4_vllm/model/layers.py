@@ -110,8 +110,7 @@ class HyperConnection(nn.Module):
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1).add_(self.hc_eps)
         comb = sinkhorn_(comb, self.sinkhorn_iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, collapse(pre, streams)
 
     def expand(
         self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
@@ -121,7 +120,18 @@ class HyperConnection(nn.Module):
             return self.fast_expand(out, streams, post, comb)
         dtype = streams.dtype
         mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+        # In place: a prefill chunk's streams at real widths are 128 MiB in float32.
+        return mixed.add_(post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2))
+
+
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_j pre[:, j] * streams[:, j], in streams' dtype: the same sums in the same order as
+    ``(pre.unsqueeze(-1) * streams).sum(dim=1)``, without the [T, hc, H] float32 products (a
+    prefill chunk's at real widths are 128 MiB)."""
+    out = pre[:, 0, None] * streams[:, 0]
+    for j in range(1, streams.shape[1]):
+        out += pre[:, j, None] * streams[:, j]
+    return out.to(streams.dtype)
 
 
 def _fused_streams(streams: torch.Tensor) -> bool:
@@ -146,7 +156,7 @@ class HyperHead(nn.Module):
         flat = rms_norm(streams.flatten(1).float(), self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return collapse(pre, streams)
 
 
 def split_parameter(param: nn.Parameter, split: Split | None) -> nn.Parameter:

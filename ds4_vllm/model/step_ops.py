@@ -3,7 +3,9 @@
 vLLM compiles a model body traced once (``@support_torch_compile``; on the CPU, Dynamo traced
 once and Inductor's C++ code). Three parts cannot be in that graph: attention with its cache
 writes, compressors and indexer (they read each step's `Ds4CacheMetadata`, whose shapes and
-addresses change every step, and the request loop of a prefill), the routed experts (which
+addresses change every step, and the request loop of a prefill; the op takes the query
+projection's input and returns the grouped output projection's result, so that a prefill makes
+its queries and outputs a block at a time), the routed experts (which
 experts run, and on how many tokens, is known only from the router's output), and projections
 through packed weights (unpacking reads block indices on the host). Each is one op here, opaque
 to the compiler, that finds its layer by name in vLLM's forward context and runs the layer's
@@ -30,21 +32,23 @@ _LIBRARY = torch.library.Library("ds4_vllm", "FRAGMENT")  # lives as long as the
 
 
 def _attention(
-    q: torch.Tensor,
-    kv: torch.Tensor,
     q_res: torch.Tensor,
+    kv: torch.Tensor,
     y: torch.Tensor,
     positions: torch.Tensor,
+    out_features: int,
     layer_name: str,
 ) -> torch.Tensor:
     context = get_forward_context()
     layer: Ds4Attention = context.no_compile_layers[layer_name]
-    q, kv, q_res, y, positions = _contiguous(q, kv, q_res, y, positions)
-    return layer.attend(q, kv, q_res, y, positions, step_metadata(context.attn_metadata)).contiguous()
+    q_res, kv, y, positions = _contiguous(q_res, kv, y, positions)
+    return layer.attend(q_res, kv, y, positions, step_metadata(context.attn_metadata)).contiguous()
 
 
-def _attention_fake(q: torch.Tensor, *_: object) -> torch.Tensor:
-    return torch.empty_like(q)
+def _attention_fake(
+    q_res: torch.Tensor, kv: torch.Tensor, y, positions, out_features: int, *_: object
+) -> torch.Tensor:
+    return q_res.new_empty(q_res.shape[0], out_features)
 
 
 def _routed_experts(
@@ -94,7 +98,7 @@ def bind_step_ops(model: nn.Module, vllm_config: VllmConfig) -> None:
     for name, module in model.named_modules():
         if isinstance(module, Ds4Attention):
             layers[name] = module
-            module.step_attention = _attention_call(name)
+            module.step_attention = _attention_call(name, module.o_a_proj.out_features)
         elif isinstance(module, MoE):
             layers[name] = module
             module.routed = _routed_call(name)
@@ -120,9 +124,9 @@ def _packed_call(name: str, out_features: int):
     return call
 
 
-def _attention_call(name: str):
-    def call(q, kv, q_res, y, positions):
-        return torch.ops.ds4_vllm.attention(q, kv, q_res, y, positions, name)
+def _attention_call(name: str, out_features: int):
+    def call(q_res, kv, y, positions):
+        return torch.ops.ds4_vllm.attention(q_res, kv, y, positions, out_features, name)
 
     return call
 

@@ -175,6 +175,26 @@ def test_quant_experts_dequantize_only_the_selected_experts(monkeypatch: pytest.
     assert dequantized == [[0, 2]] * 3 + [[5, 7]] * 3
 
 
+def test_experts_larger_than_the_budget_are_dequantized_a_projection_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real-width expert is 96 MiB in float32: its three projections are never float at once."""
+    from ds4_vllm.model.quant import modules
+
+    shapes: list[tuple[int, ...]] = []
+
+    def recording_dequantize(weight: QuantizedWeight, index=None, dtype=torch.float32, **kw) -> torch.Tensor:
+        out = dequantize(weight, index=index, dtype=dtype, **kw)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(modules, "dequantize", recording_dequantize)
+    quant = make_quant_experts(8, 64, 96, budget=1)
+    indices = torch.tensor([[5, 2], [2, 7]])
+    quant(torch.randn(2, 64, generator=torch.Generator().manual_seed(0)), indices, torch.ones(2, 2))
+    assert shapes == [(96, 64), (96, 64), (64, 96)] * 3  # gate, up, down of experts 2, 5, 7
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_quant_experts_one_token_path_matches_the_general_path_bit_for_bit(packed: bool) -> None:
     """A decode step (one token) skips the batch bookkeeping; it must add the same floats in the same order."""

@@ -566,13 +566,20 @@ class QuantExperts(nn.Module):
 
         Float weights already of ``dtype`` are indexed in place (one view per expert, nothing copied
         per step: a decode step would otherwise copy its experts' weights every layer); packed ones
-        are dequantized group by group within ``dequant_budget_bytes``.
+        are dequantized group by group within ``dequant_budget_bytes``, or, where one expert does
+        not fit in it, left packed for `quant_linear` to dequantize a projection at a time.
         """
         stored = tuple(p.stored_weight() for p in (self.gate_proj, self.up_proj, self.down_proj))
         if all(isinstance(w, torch.Tensor) and w.dtype == dtype for w in stored):
             yield list(enumerate(used.tolist())), stored, True
             return
         group = self.experts_per_group(dtype)
+        if group == 1 and all(isinstance(w, QuantizedWeight) for w in stored):
+            # Experts too large to dequantize together (one real-width expert is 96 MiB in
+            # float32): each projection is dequantized where it is used, one at a time.
+            for j, e in enumerate(used.tolist()):
+                yield [(j, 0)], tuple([w.entry(e)] for w in stored), False
+            return
         for g0 in range(0, used.numel(), group):
             ids = used[g0 : g0 + group]
             weights = tuple(
