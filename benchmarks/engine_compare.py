@@ -112,9 +112,9 @@ def main() -> None:
     ap.add_argument(
         "--kv-cache-mib",
         type=int,
-        default=256,
-        help="vLLM's KV pool (part of our peak memory; a 2k context of the slice needs a few MiB, "
-        "the engine sizes its own to the context)",
+        default=160,
+        help="vLLM's KV pool (part of our peak memory; vLLM asks for 0.14 GiB to hold one 2k-context "
+        "request of the slice; the engine sizes its own to the context)",
     )
     ap.add_argument(
         "--max-num-seqs",
