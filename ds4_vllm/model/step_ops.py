@@ -46,7 +46,12 @@ def _attention(
 
 
 def _attention_fake(
-    q_res: torch.Tensor, kv: torch.Tensor, y, positions, out_features: int, *_: object
+    q_res: torch.Tensor,
+    kv: torch.Tensor,
+    y: torch.Tensor,
+    positions: torch.Tensor,
+    out_features: int,
+    *_: object,
 ) -> torch.Tensor:
     return q_res.new_empty(q_res.shape[0], out_features)
 
