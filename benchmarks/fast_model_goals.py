@@ -182,7 +182,11 @@ def goals(results: dict[str, dict[str, Any]]) -> list[Goal]:
     def batching(data: dict[str, Any]) -> tuple[float, str]:
         run = data["runs"]["compiled, warm caches"]
         ms1, ms8 = _median_ms(run, 1), _median_ms(run, 8)
-        return 8 * ms1 / ms8, f"compiled engine: batch 8 {8e3 / ms8:.0f} tok/s, batch 1 {1e3 / ms1:.0f} tok/s"
+        detail = f"compiled engine: batch 8 {8e3 / ms8:.0f} tok/s, batch 1 {1e3 / ms1:.0f} tok/s"
+        if "decode_tiny" in results:  # the model alone, without vLLM's step around it
+            alone = _row(results["decode_tiny"], "bfloat16", 8)["throughput_over_batch1"]
+            detail += f"; the model alone (decode_step.json, eager): {alone:.2f}x"
+        return 8 * ms1 / ms8, detail
 
     add("compiled", "batch-8 decode tokens/s over batch 1", ">= 4x", False, 4.0, batching)
 
@@ -214,9 +218,17 @@ def goals(results: dict[str, dict[str, Any]]) -> list[Goal]:
     )
 
     def same_tokens(data: dict[str, Any]) -> tuple[float, str]:
-        return float(
-            data["same_tokens"]
-        ), "tiny default, greedy, every engine (q2 and official: tests/model/test_compiled.py)"
+        eager, compiled = data["runs"]["eager"]["tokens"], data["runs"]["compiled, warm caches"]["tokens"]
+        first = [
+            next((step for step, (a, b) in enumerate(zip(e, c, strict=True)) if a != b), None)
+            for e, c in zip(eager, compiled, strict=True)
+        ]
+        parted = sorted(step for step in first if step is not None)
+        where = f"; they part at steps {', '.join(map(str, parted))}" if parted else ""
+        return float(data["same_tokens"]), (
+            f"tiny default, bf16, greedy: {len(parted)} of {len(first)} requests of "
+            f"{len(eager[0])} tokens differ{where} (tests/model/test_compiled.py allows it at eager's near-ties)"
+        )
 
     add("compiled", "compiled and eager give the same tokens", "yes", False, 1.0, same_tokens, "yes/no")
 
@@ -286,13 +298,22 @@ def render(found: list[Goal], results: dict[str, dict[str, Any]]) -> str:
         ["goal", "target", "measured", "met", "detail", "file"],
         [[g.goal, g.target, g.measured, verdict(g), g.detail, g.source] for g in found],
     )
-    lines = [table, "", "Steps (the machine's 1-minute load average when each began):", ""]
+    lines = [
+        table,
+        "",
+        "Steps (when each wrote its results, and the machine's 1-minute load average then):",
+        "",
+    ]
     for step in STEPS:
         data = results.get(step)
         machine = (data or {}).get("machine", {})
         lines.append(
             f"- {step}: "
-            + ("not run" if data is None else f"{machine.get('time')}, load {machine.get('load_average_1m')}")
+            + (
+                "not run"
+                if data is None
+                else f"{machine.get('time')}, load {machine.get('load_average_1m', 0):.2f}"
+            )
         )
     profiles = results.get("decode_tiny", {}).get("profiles", {})
     for label, title in (
@@ -339,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         subprocess.run(command, env=child_env(), check=True)
         wall[step] = time.perf_counter() - started
+    summary = folder / "fast_model_goals.json"
+    if summary.is_file():  # steps not rerun keep the wall times of the run that made their files
+        wall = {**json.loads(summary.read_text()).get("step_wall_s", {}), **wall}
     results = {
         step: json.loads((folder / name).read_text())
         for step, name in FILES.items()
@@ -347,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     found = goals(results)
     markdown = render(found, results)
     (folder / "fast_model_goals.md").write_text(markdown)
-    (folder / "fast_model_goals.json").write_text(
+    summary.write_text(
         json.dumps(
             {"machine": machine_info(), "step_wall_s": wall, "goals": [dataclasses.asdict(g) for g in found]},
             indent=2,

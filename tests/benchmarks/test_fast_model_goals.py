@@ -43,6 +43,7 @@ def decode(dtype: str, ms1: float, read_ms: float, ms8: float | None = None) -> 
                 "read_ms": read_ms,
                 "active_weight_bytes": 10**9,
                 "step_over_read": None,
+                "throughput_over_batch1": 8 * ms1 / ms8,
             }
         )
     return {"rows": rows, "read_bandwidth_gb_s": 40.0, "profiles": {"bfloat16 vllm": "TOP-OPS"}}
@@ -50,11 +51,16 @@ def decode(dtype: str, ms1: float, read_ms: float, ms8: float | None = None) -> 
 
 COMPILED = {
     "runs": {
-        "eager": {"start_s": 20.0, "decode_ms": {"1": [30.0, 31.0, 29.0], "8": [80.0, 80.0, 80.0]}},
+        "eager": {
+            "start_s": 20.0,
+            "decode_ms": {"1": [30.0, 31.0, 29.0], "8": [80.0, 80.0, 80.0]},
+            "tokens": [[1, 2, 3], [4, 5, 6]],
+        },
         "compiled, cold caches": {"start_s": 150.0, "decode_ms": {"1": [10.0], "8": [40.0]}},
         "compiled, warm caches": {
             "start_s": 35.0,
             "decode_ms": {"1": [12.0, 12.0, 11.0], "8": [40.0, 41.0, 39.0]},
+            "tokens": [[1, 2, 3], [4, 5, 6]],
         },
         "eager again": {"start_s": 22.0, "decode_ms": {"1": [30.0, 30.0, 30.0], "8": [80.0, 80.0, 80.0]}},
     },
@@ -104,12 +110,14 @@ def test_every_goal_from_a_full_run() -> None:
     assert (b8.ratio, b8.met) == (2.0, True)
     batching = found["batch-8 decode tokens/s over batch 1"]
     assert (batching.ratio, batching.met) == (8 * 12.0 / 40.0, False)
+    assert batching.detail.endswith("the model alone (decode_step.json, eager): 4.00x")
     cold = found["cold start's compilation (s more than eager)"]
     assert (cold.ratio, cold.met, cold.measured) == (129.0, False, "+129.0 s")
     warm = found["warm start (s more than eager)"]
     assert (warm.ratio, warm.met) == (14.0, True)
     same = found["compiled and eager give the same tokens"]
     assert (same.met, same.measured) == (True, "yes")
+    assert same.detail.startswith("tiny default, bf16, greedy: 0 of 2 requests of 3 tokens differ (")
     packed = found["ds4-tiny-q2 batch-1 decode over its float32 twin"]
     assert (packed.ratio, packed.met, packed.detail) == (0.9, True, "batch 8: 0.50x")
     memory = found["slice peak resident memory over the GGUF's size (2k prefill and decode)"]
@@ -122,10 +130,21 @@ def test_every_goal_from_a_full_run() -> None:
 
 
 def test_steps_not_run_are_not_measured_and_render_says_so() -> None:
-    results = {"compiled": {**COMPILED, "same_tokens": False}}
+    parted = {**COMPILED["runs"]["compiled, warm caches"], "tokens": [[1, 2, 3], [4, 7, 6]]}
+    results = {
+        "compiled": {
+            **COMPILED,
+            "runs": {**COMPILED["runs"], "compiled, warm caches": parted},
+            "same_tokens": False,
+        }
+    }
     found = goals(results)
     assert [g.met for g in found if g.source != "compiled_decode.json"] == [None] * 6
-    assert by_goal(found)["compiled and eager give the same tokens"].met is False
+    same = by_goal(found)["compiled and eager give the same tokens"]
+    assert (same.met, same.measured) == (False, "no")
+    assert same.detail.startswith(
+        "tiny default, bf16, greedy: 1 of 2 requests of 3 tokens differ; they part at steps 1 ("
+    )
     text = render(found, results)
     assert text.count("not measured in this run") == 6
     assert "- engine: not run" in text
