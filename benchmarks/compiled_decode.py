@@ -7,8 +7,9 @@ Each engine runs in its own process (the tiny default, vLLM's CPU runner, prefix
 in this order: eager, compiled with empty compile caches (a cold start: Dynamo's trace and
 Inductor's C++ build), compiled again on those caches (a warm start), eager again. Each reports
 its start time (`LLM(...)` until it answers) and its decode step at batch 1 and 8 with every
-request at ``--context`` tokens: (time of 1 + steps tokens - time of 1 token) / steps, median of
-``--repeats``, fresh prompts each time. The two eager engines bracket any drift in the
+request at ``--context`` tokens: once every request of the batch has its first token, the
+engine's steps (its core in the process: one `LLMEngine.step` is one scheduler step) are timed
+in ``--repeats`` windows of ``--steps`` steps each; the median window is reported. The two eager engines bracket any drift in the
 machine's load. Both modes must answer with the same tokens; the run says whether they did.
 
 Writes ``compiled_decode.json`` into ``--results-dir`` (default
@@ -35,31 +36,56 @@ BATCHES = (1, 8)
 
 
 def measure(dtype: str, eager: bool, context: int, steps: int, repeats: int) -> dict[str, Any]:
-    """In this process: start one engine, time its decode steps; what `main` reads from stdout."""
+    """In this process: start one engine, time its decode steps; what `main` reads from stdout.
+
+    The engine core runs in this process (`model_scaling.in_process_engine_core`), so that each
+    ``LLMEngine.step`` is one scheduler step and the decode steps are timed one by one once every
+    request of the batch has its first token; subtracting a 1-token run from a longer one would
+    leave the decode time under the noise of the batch's prefills (eight 2k prefills take ~16 s,
+    32 decode steps ~1 s).
+    """
+    from benchmarks.model_scaling import in_process_engine_core
     from benchmarks.reporting import greedy, make_engine, random_prompts, shutdown_engine
 
     start = time.perf_counter()
-    llm = make_engine(dtype=dtype, enforce_eager=eager, enable_prefix_caching=False, max_num_seqs=8)
+    with in_process_engine_core():
+        llm = make_engine(dtype=dtype, enforce_eager=eager, enable_prefix_caching=False, max_num_seqs=8)
     result: dict[str, Any] = {"start_s": time.perf_counter() - start, "decode_ms": {}, "tokens": []}
-    seed = 0
+    engine = llm.llm_engine
 
-    def timed(batch: int, max_tokens: int) -> float:
-        nonlocal seed
-        seed += 1
+    def decode_windows(batch: int, seed: int) -> tuple[list[float], list[list[int]]]:
+        """``repeats`` windows of ``steps`` decode steps of one batch: ms per step each, and its tokens."""
         prompts = random_prompts([context] * batch, seed=seed)
-        t0 = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        if max_tokens > 1 and len(result["tokens"]) < batch:
-            result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
-        return elapsed
+        ids = [f"{seed}-{i}" for i in range(batch)]
+        for req_id, prompt in zip(ids, prompts, strict=True):
+            engine.add_request(req_id, {"prompt_token_ids": prompt}, greedy(1 + repeats * steps + 1))
+        started: set[str] = set()
+        tokens: dict[str, list[int]] = {}
+
+        def step() -> None:
+            for out in engine.step():
+                started.add(out.request_id)
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+
+        while len(started) < batch:  # prefills (chunked), until every request has its first token
+            step()
+        windows = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            windows.append((time.perf_counter() - t0) / steps * 1e3)
+        while engine.has_unfinished_requests():
+            step()
+        return windows, [tokens[i] for i in ids]
 
     try:
-        timed(1, 4)  # warm-up
+        decode_windows(1, 1)  # warm-up
         for batch in BATCHES:
-            seed = 1000 * batch  # the same prompts in every engine
-            per_step = [(timed(batch, steps + 1) - timed(batch, 1)) / steps * 1e3 for _ in range(repeats)]
-            result["decode_ms"][str(batch)] = per_step
+            # the same prompts in every engine
+            result["decode_ms"][str(batch)], tokens = decode_windows(batch, 1000 * batch)
+            if len(tokens) > len(result["tokens"]):
+                result["tokens"] = tokens
     finally:
         shutdown_engine(llm)
     return result
