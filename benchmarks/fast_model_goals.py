@@ -18,7 +18,7 @@ Runs, into one folder (``--results-dir``, default ``benchmarks/results/<YYYY-MM-
 
 Then writes ``fast_model_goals.json`` and ``fast_model_goals.md`` (the goals with their measured
 ratios, the profiles) from the files in that folder. Each step prints the machine's load; run
-it on an otherwise idle machine (about 45 minutes on the 2-core machine, most of it the ds4
+it on an otherwise idle machine (about 30-35 minutes on the 2-core machine, 15 of them the ds4
 engine's 2k prefill). Nothing here asserts a time.
 """
 
