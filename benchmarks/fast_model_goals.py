@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.reporting import RESULTS_DIR, child_env, machine_info, module_command, print_table
+from benchmarks.reporting import RESULTS_DIR, child_env, machine_info, module_command, print_table, write_json
 
 STEPS = ("decode_tiny", "decode_slice", "compiled", "quantized", "engine")
 FILES = {
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "--results-dir", type=Path, default=RESULTS_DIR / f"{datetime.date.today().isoformat()}-goals"
     )
     args = parser.parse_args(argv)
-    folder: Path = args.results_dir
+    folder: Path = args.results_dir.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     wall: dict[str, float] = {}
     for step in args.only or STEPS:
@@ -371,14 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     found = goals(results)
     markdown = render(found, results)
     (folder / "fast_model_goals.md").write_text(markdown)
-    summary.write_text(
-        json.dumps(
-            {"machine": machine_info(), "step_wall_s": wall, "goals": [dataclasses.asdict(g) for g in found]},
-            indent=2,
-        )
-        + "\n"
+    write_json(
+        str(summary),
+        {"machine": machine_info(), "step_wall_s": wall, "goals": [dataclasses.asdict(g) for g in found]},
     )
-    print(f"wrote {folder / 'fast_model_goals.md'}")
     return 0
 
 
