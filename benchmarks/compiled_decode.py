@@ -57,8 +57,11 @@ def measure(dtype: str, eager: bool, context: int, steps: int, repeats: int) -> 
         """``repeats`` windows of ``steps`` decode steps of one batch: ms per step each, and its tokens."""
         prompts = random_prompts([context] * batch, seed=seed)
         ids = [f"{seed}-{i}" for i in range(batch)]
+        # Enough tokens that none finishes inside the timed windows: the first request to finish
+        # its prefill decodes alongside the others' prefill chunks (up to ``batch`` steps early).
+        max_tokens = batch + repeats * steps + 1
         for req_id, prompt in zip(ids, prompts, strict=True):
-            engine.add_request(req_id, {"prompt_token_ids": prompt}, greedy(1 + repeats * steps + 1))
+            engine.add_request(req_id, {"prompt_token_ids": prompt}, greedy(max_tokens))
         started: set[str] = set()
         tokens: dict[str, list[int]] = {}
 
