@@ -9,8 +9,8 @@ Inductor's C++ build), compiled again on those caches (a warm start), eager agai
 its start time (`LLM(...)` until it answers) and its decode step at batch 1 and 8 with every
 request at ``--context`` tokens: once every request of the batch has its first token, the
 engine's steps (its core in the process: one `LLMEngine.step` is one scheduler step) are timed
-in ``--repeats`` windows of ``--steps`` steps each; the median window is reported. The two eager engines bracket any drift in the
-machine's load. Both modes must answer with the same tokens; the run says whether they did.
+in ``--repeats`` windows of ``--steps`` steps each; the median window is reported. The two
+eager engines bracket any drift in the machine's load. Both modes must answer with the same tokens; the run says whether they did.
 
 Writes ``compiled_decode.json`` into ``--results-dir`` (default
 ``benchmarks/results/<YYYY-MM-DD>/``). Read the ratios; nothing here asserts a time.
